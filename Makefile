@@ -1,0 +1,31 @@
+# Set-up and the two entry points of the README. Everything installs into .venv from the package
+# registry; constraints.txt pins the CPU build of torch.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PACKAGES := -e ".[test]" -e plugins/zkit-offload -e plugins/zkit-onebit -e plugins/zkit-pipeline \
+            -e plugins/zkit-sparse -e cuda_numba
+NPROC ?= 2
+STEPS ?= 200
+
+.PHONY: setup demo test clean
+
+$(STAMP): pyproject.toml constraints.txt plugins/*/pyproject.toml cuda_numba/pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(BIN)/python -m pip install -q -c constraints.txt $(PACKAGES)
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/zkit run --nproc $(NPROC) contrib/examples/train_gpt.py \
+		--config contrib/examples/configs/gpt_zero0.json --steps $(STEPS)
+
+test: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,129 @@
+"""The allocator family of zkit-offload: ``"host"`` (ZeRO-Offload) and ``"nvme"`` (ZeRO-Infinity).
+
+``host`` puts the buffers the CPU optimizer touches (``"master"``, ``"master_grad"``,
+``"optim_state"``) in host memory, page-locked when CUDA is present and ``pin_memory`` is set so
+that device<->host copies are asynchronous; with ``offload_param.device == "cpu"`` stage-3
+parameter shards (``"param"``) live on the host too. Everything else stays on the device. On a
+CPU-only machine the device *is* the host and nothing is copied.
+
+``nvme`` is ``host`` plus an :class:`~zkit_offload.NVMeSwapper`: optimizer state is kept on NVMe
+between steps and streamed through ``buffer_count`` host buffer sets. The partitioner splits its
+flat shard into sub-groups (``sub_group_size`` elements) and steps them with
+:meth:`NVMeAllocator.step_in_subgroups`; see docs/plugins/offload.md.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+
+import torch
+
+from zkit.alloc import Allocator
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit_offload.cpu_optimizer import FusedCPUOptimizer
+from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups
+from zkit_offload.swap import NVMeSwapper, aligned_empty
+
+HOST_PURPOSES = ("master", "master_grad", "optim_state")
+
+
+def _section(config: Any, path: str, cls: type) -> Any:
+    """The section ``path`` of a zkit config, an instance of ``cls`` already, or the default."""
+    if config is None:
+        return cls()
+    if isinstance(config, cls):
+        return config
+    if hasattr(config, "section"):
+        found = config.section(path)
+        return found if found is not None else cls()
+    raise TypeError(f"expected a zkit config or {cls.__name__}, got {type(config).__name__}")
+
+
+class HostAllocator(Allocator):
+    """Master weights, their gradients and optimizer state in (pinned) host memory."""
+
+    def __init__(self, device: torch.device, config: Any = None, *,
+                 optimizer: OffloadOptimizerConfig | None = None, param: OffloadParamConfig | None = None) -> None:
+        super().__init__(device)
+        self.optimizer_config = optimizer or _section(config, OffloadOptimizerConfig.SECTION, OffloadOptimizerConfig)
+        self.param_config = param or _section(config, OffloadParamConfig.SECTION, OffloadParamConfig)
+        self.host_purposes = HOST_PURPOSES + (("param",) if self.param_config.device != "none" else ())
+
+    def place(self, purpose: str) -> torch.device:
+        return torch.device("cpu") if purpose in self.host_purposes else self.device
+
+    def pin(self, purpose: str) -> bool:
+        if purpose == "param":
+            return self.param_config.pin_memory
+        return purpose in HOST_PURPOSES and self.optimizer_config.pin_memory
+
+    def close(self) -> None:
+        """Nothing to free for host memory; present so every offload allocator can be closed."""
+
+
+class NVMeAllocator(HostAllocator):
+    """:class:`HostAllocator` whose optimizer state lives on NVMe between steps.
+
+    Attributes:
+        swapper: the :class:`NVMeSwapper` (files under ``offload_optimizer.nvme_path``).
+    """
+
+    def __init__(self, device: torch.device, config: Any = None, *,
+                 optimizer: OffloadOptimizerConfig | None = None, param: OffloadParamConfig | None = None,
+                 aio: AioConfig | None = None) -> None:
+        super().__init__(device, config, optimizer=optimizer, param=param)
+        if self.optimizer_config.device != "nvme" or not self.optimizer_config.nvme_path:
+            raise ValueError("the 'nvme' allocator needs zero_optimization.offload_optimizer.device 'nvme' "
+                             "and an nvme_path")
+        self.aio = aio or _section(config, AioConfig.SECTION, AioConfig)
+        self.swapper = NVMeSwapper(self.optimizer_config.nvme_path, block_size=self.aio.block_size,
+                                   io_threads=self.aio.io_threads)
+        self._buffers: SubGroupBuffers | None = None
+        self._stepped: set[int] = set()
+
+    def empty(self, numel: int, dtype: torch.dtype, purpose: str) -> torch.Tensor:
+        # Host buffers aligned for direct I/O: the swapper then reads and writes them in place.
+        if self.place(purpose).type == "cpu" and not (self.pin(purpose) and torch.cuda.is_available()):
+            buf = aligned_empty(int(numel), dtype)
+            self.track(purpose, buf.numel() * buf.element_size())
+            return buf
+        return super().empty(numel, dtype, purpose)
+
+    def step_in_subgroups(self, subgroups: Sequence[Mapping[str, int]],
+                          step: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+        """Call ``step(i, tensors)`` for each sub-group (``{name: numel}``) with its swapped
+        tensors in host buffers, reading ahead and writing behind (buffer_count buffer sets).
+        Sub-groups never written before start zero-filled (no read)."""
+        if self._buffers is None:
+            self._buffers = SubGroupBuffers(subgroups, max(2, self.optimizer_config.buffer_count))
+            self.track("optim_state", sum(t.numel() * t.element_size() for s in self._buffers.sets for t in s.values()))
+        fresh = not self._stepped
+        step_in_subgroups(self.swapper, subgroups, step, self._buffers, fresh=fresh)
+        self._stepped.update(range(len(subgroups)))
+
+    def step_optimizer(self, optimizer: "FusedCPUOptimizer", grad_factor: float = 1.0) -> None:
+        """Step a fused CPU optimizer whose parameters are the sub-groups (one flat fp32 tensor
+        each), with its state tensors swapped in from NVMe for that sub-group's update and
+        written back after it. Check overflow first (``optimizer.grad_stats``): a sub-group
+        pipeline cannot be rolled back half-way."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        subgroups = [{name: p.numel() for name in optimizer._state_names} for p in params]
+
+        def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
+            p = params[i]
+            state = optimizer.state[p]
+            if "step" not in state:  # first step: initial state into the swap buffers
+                optimizer._init_state(group_of[id(p)], p, state)
+                for name, t in tensors.items():
+                    t.copy_(state[name].view(-1))
+            for name, t in tensors.items():
+                state[name] = t.view_as(p)
+            optimizer.fused_step(grad_factor, params=[p])
+
+        self.step_in_subgroups(subgroups, step)
+
+    def close(self) -> None:
+        """Delete the swap files and stop the I/O threads."""
+        self.swapper.close()

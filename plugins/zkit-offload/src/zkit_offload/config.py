@@ -1,0 +1,109 @@
+"""Config sections of zkit-offload, with DeepSpeed's keys and defaults (DeepSpeed 0.19).
+
+* ``zero_optimization.offload_optimizer``: where fp32 master weights, their gradients and the
+  optimizer state live (``device``: ``none``, ``cpu`` or ``nvme``).
+* ``zero_optimization.offload_param``: where stage-3 parameter shards live.
+* ``aio``: the NVMe swapper's I/O settings.
+
+Keys DeepSpeed has for its libaio engine that have no counterpart in a thread-pool swapper
+(``single_submit``, ``overlap_events``) and pipeline switches that zkit always has on
+(``pipeline_read``, ``pipeline_write``, ``fast_init``) are accepted so DeepSpeed configs load, and
+documented in docs/plugins/offload.md; ``use_gds=true`` and ``ratio<1`` are refused when a run
+is configured, with the reason.
+"""
+from __future__ import annotations
+
+import difflib
+from typing import Any, Mapping
+
+import attrs
+from attrs import validators as v
+
+DEVICES = ("none", "cpu", "nvme")
+
+
+def _device(value: Any) -> str:
+    return str(value).lower()
+
+
+def _nvme_needs_path(instance: Any, _attribute: Any, value: Any) -> None:
+    if instance.device == "nvme" and not instance.nvme_path:
+        raise ValueError(f"{instance.SECTION}: device 'nvme' needs nvme_path (a directory on the fast disk)")
+
+
+class _FromDict:
+    SECTION = ""
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None):
+        """Build from a config dict; an unknown key is an error naming the closest valid one."""
+        data = dict(data or {})
+        valid = [a.name for a in attrs.fields(cls)]
+        for key in data:
+            if key not in valid:
+                close = difflib.get_close_matches(key, valid, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(f"unknown key {key!r} in {cls.SECTION}{hint} Valid keys: {', '.join(valid)}")
+        return cls(**data)
+
+
+_nonneg_int = [v.instance_of(int), v.ge(0)]
+
+
+@attrs.frozen(kw_only=True)
+class OffloadOptimizerConfig(_FromDict):
+    """``zero_optimization.offload_optimizer``."""
+
+    SECTION = "zero_optimization.offload_optimizer"
+
+    device: str = attrs.field(default="none", converter=_device, validator=v.in_(DEVICES))
+    nvme_path: str | None = attrs.field(default=None, validator=[v.optional(v.instance_of(str)), _nvme_needs_path])
+    buffer_count: int = attrs.field(default=4, validator=_nonneg_int)
+    pin_memory: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    pipeline_read: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    pipeline_write: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    fast_init: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    ratio: float = attrs.field(default=1.0, converter=float, validator=[v.ge(0.0), v.le(1.0)])
+
+
+@attrs.frozen(kw_only=True)
+class OffloadParamConfig(_FromDict):
+    """``zero_optimization.offload_param`` (stage 3)."""
+
+    SECTION = "zero_optimization.offload_param"
+
+    device: str = attrs.field(default="none", converter=_device, validator=v.in_(DEVICES))
+    nvme_path: str | None = attrs.field(default=None, validator=[v.optional(v.instance_of(str)), _nvme_needs_path])
+    buffer_count: int = attrs.field(default=5, validator=_nonneg_int)
+    buffer_size: int = attrs.field(default=100_000_000, converter=int, validator=v.ge(0))
+    max_in_cpu: int = attrs.field(default=1_000_000_000, converter=int, validator=v.ge(0))
+    pin_memory: bool = attrs.field(default=True, validator=v.instance_of(bool))
+
+
+@attrs.frozen(kw_only=True)
+class AioConfig(_FromDict):
+    """``aio``: NVMe swapper I/O. ``block_size`` bytes per request; ``queue_depth`` x
+    ``intra_op_parallelism`` requests in flight (the I/O thread count)."""
+
+    SECTION = "aio"
+
+    block_size: int = attrs.field(default=1_048_576, validator=[v.instance_of(int), v.gt(0)])
+    queue_depth: int = attrs.field(default=8, validator=[v.instance_of(int), v.gt(0)])
+    intra_op_parallelism: int = attrs.field(default=1, validator=[v.instance_of(int), v.gt(0)])
+    single_submit: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    overlap_events: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    use_gds: bool = attrs.field(default=False, validator=v.instance_of(bool))
+
+    @property
+    def io_threads(self) -> int:
+        return self.queue_depth * self.intra_op_parallelism
+
+
+def check_supported(optimizer: OffloadOptimizerConfig, aio: AioConfig) -> None:
+    """Refuse settings this release cannot honour, saying why (never ignore them silently)."""
+    if aio.use_gds:
+        raise ValueError("aio.use_gds=true: GPUDirect Storage is not supported by zkit-offload; "
+                         "set it to false (NVMe swaps go through pinned host buffers)")
+    if optimizer.device != "none" and optimizer.ratio != 1.0:
+        raise ValueError(f"zero_optimization.offload_optimizer.ratio={optimizer.ratio}: partial optimizer "
+                         "offload is not supported; use 1.0 (offload all) or device 'none'")

@@ -1,0 +1,140 @@
+"""zkit plugin entry point of zkit-offload: the hook implementations zkit discovers.
+
+Kept light: the optimizer and allocator modules (and Numba) load only when a record's factory
+runs, so an installed but unused plugin costs nothing at start-up.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import zkit
+from zkit.records import AllocatorRecord, ConfigSectionRecord, OptimizerRecord
+
+from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_supported
+
+#: Config optimizer types (lower case) and the CPU optimizer that replaces each under offload.
+CPU_OPTIMIZER_FOR = {"adam": "cpu_adam", "adamw": "cpu_adamw", "adagrad": "cpu_adagrad", "lion": "cpu_lion",
+                     "cpu_adam": "cpu_adam", "cpu_adamw": "cpu_adamw", "cpu_adagrad": "cpu_adagrad",
+                     "cpu_lion": "cpu_lion", "deepspeedcpuadam": "cpu_adam"}
+
+
+def _cpu_adam(param_groups, **params):
+    from zkit_offload.cpu_adam import CPUAdam
+
+    # DeepSpeed's spelling of the AdamW switch
+    if "adam_w_mode" in params:
+        params["adamw_mode"] = params.pop("adam_w_mode")
+    return CPUAdam(param_groups, **params)
+
+
+def _cpu_adamw(param_groups, **params):
+    from zkit_offload.cpu_adam import CPUAdamW
+
+    return CPUAdamW(param_groups, **params)
+
+
+def _cpu_adagrad(param_groups, **params):
+    from zkit_offload.cpu_adagrad import CPUAdagrad
+
+    return CPUAdagrad(param_groups, **params)
+
+
+def _cpu_lion(param_groups, **params):
+    from zkit_offload.cpu_lion import CPULion
+
+    return CPULion(param_groups, **params)
+
+
+def _host_allocator(device, config):
+    from zkit_offload.allocators import HostAllocator
+
+    return HostAllocator(device, config)
+
+
+def _nvme_allocator(device, config):
+    from zkit_offload.allocators import NVMeAllocator
+
+    return NVMeAllocator(device, config)
+
+
+@zkit.hookimpl
+def zkit_register_optimizers():
+    cpu = ("cpu",)
+    yield OptimizerRecord(name="cpu_adam", aliases=("deepspeedcpuadam",), devices=cpu,
+                          state_names=("exp_avg", "exp_avg_sq"), factory=_cpu_adam,
+                          description="Adam (AdamW with adamw_mode) fused in one multi-threaded Numba pass")
+    yield OptimizerRecord(name="cpu_adamw", devices=cpu, state_names=("exp_avg", "exp_avg_sq"),
+                          factory=_cpu_adamw, description="AdamW fused in one multi-threaded Numba pass")
+    yield OptimizerRecord(name="cpu_adagrad", devices=cpu, state_names=("sum",), factory=_cpu_adagrad,
+                          description="Adagrad fused in one multi-threaded Numba pass")
+    yield OptimizerRecord(name="cpu_lion", devices=cpu, state_names=("exp_avg",), factory=_cpu_lion,
+                          description="Lion fused in one multi-threaded Numba pass")
+
+
+@zkit.hookimpl
+def zkit_register_allocators():
+    yield AllocatorRecord(name="host", factory=_host_allocator,
+                          description="master weights, their gradients and optimizer state in (pinned) host memory")
+    yield AllocatorRecord(name="nvme", factory=_nvme_allocator,
+                          description="host allocator with optimizer state swapped to NVMe files")
+
+
+@zkit.hookimpl
+def zkit_config_sections():
+    yield ConfigSectionRecord(path=OffloadOptimizerConfig.SECTION, schema=OffloadOptimizerConfig,
+                              description="offload optimizer state and master weights to cpu or nvme")
+    yield ConfigSectionRecord(path=OffloadParamConfig.SECTION, schema=OffloadParamConfig,
+                              description="offload stage-3 parameter shards to cpu or nvme")
+    yield ConfigSectionRecord(path=AioConfig.SECTION, schema=AioConfig, description="NVMe swapper I/O settings")
+
+
+def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfig | None,
+                 optimizer_type: str | None) -> Any:
+    """The :class:`zkit.Stack` an offload config needs, or ``None`` without offload."""
+    if optimizer_section is None or optimizer_section.device == "none":
+        return None
+    check_supported(optimizer_section, aio or AioConfig())
+    allocator = "nvme" if optimizer_section.device == "nvme" else "host"
+    optimizer = None
+    if optimizer_type is not None:
+        key = optimizer_type.strip().lower()
+        if key not in CPU_OPTIMIZER_FOR:
+            raise ValueError(
+                f"optimizer {optimizer_type!r} has no CPU implementation for offload_optimizer.device "
+                f"{optimizer_section.device!r}; use one of Adam, AdamW, Adagrad, Lion"
+            )
+        optimizer = CPU_OPTIMIZER_FOR[key]
+    return zkit.Stack(allocator=allocator, optimizer=optimizer)
+
+
+@zkit.hookimpl
+def zkit_configure(config):
+    optimizer = getattr(config, "optimizer", None)
+    return choose_stack(
+        config.section(OffloadOptimizerConfig.SECTION),
+        config.section(AioConfig.SECTION),
+        getattr(optimizer, "type", None) if optimizer is not None else None,
+    )
+
+
+@zkit.hookimpl
+def zkit_engine_close(engine):
+    allocator = getattr(engine, "allocator", None)
+    if allocator is not None and type(allocator).__module__ == "zkit_offload.allocators":
+        allocator.close()
+
+
+@zkit.hookimpl
+def zkit_report():
+    yield "zkit-offload", "installed"
+    try:
+        from zkit_offload import kernels
+        from zkit_offload.numba_setup import CACHE_DIR
+
+        import numba
+
+        yield "zkit-offload numba", (f"numba {numba.__version__}, threading layer "
+                                     f"{numba.config.THREADING_LAYER}, {numba.config.NUMBA_NUM_THREADS} threads, "
+                                     f"cache {CACHE_DIR}, hardware fp16 conversion {kernels.HARDWARE_HALF}")
+    except Exception as exc:  # report why the CPU optimizers cannot run here
+        yield "zkit-offload numba", f"unavailable: {exc}"

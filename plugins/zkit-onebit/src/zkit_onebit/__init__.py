@@ -1,0 +1,3 @@
+"""1-bit compressed communication and 1-bit Adam for zkit."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,244 @@
+"""Executes one stage's instruction stream with real modules and torch.distributed point-to-point.
+
+Transfers: consecutive transfer instructions are one batch. Its sends are posted at once and not
+waited for until the end of the global batch (a send never holds the stage up; this is the model
+:func:`zkit_pipeline.simulate.simulate` proves deadlock-free); its receives are posted together
+(``batch_isend_irecv``) and waited for. The first tensor crossing each (direction, chunk) carries a
+small header with its dtype and shape; later ones reuse the cached shape.
+
+Split backward (``BackwardInput`` / ``BackwardWeight``) uses autograd twice on one retained graph:
+first for the input gradient only, then for the weight gradients; torch skips the weight matmuls in
+the first pass, but the second walks the chunk's activation-gradient path again.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from zkit_pipeline.module import PipelineModule
+from zkit_pipeline.schedules import (
+    Backward,
+    BackwardInput,
+    BackwardWeight,
+    CommInstruction,
+    Forward,
+    LoadMicroBatch,
+    OptimizerStep,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
+from zkit_pipeline.schedules.instructions import is_first_virtual, is_last_virtual, peer_of
+from zkit_pipeline.topology import ProcessGrid
+
+_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32]
+_HEADER = 10  # dtype, ndim, up to 8 dims
+
+
+class PipelineRunner:
+    """Runs global batches of a :class:`PipelineModule` on this rank.
+
+    ``step`` is called at ``OptimizerStep`` (``engine.apply_step``, or a plain optimizer's step
+    and zero_grad). ``partitioner`` (ZeRO) reduces data-parallel gradients; without one, gradients
+    are averaged over the data axis of ``grid``. Construction is collective (creates groups).
+    """
+
+    def __init__(
+        self,
+        module: PipelineModule,
+        schedule: Callable[..., Iterable[Any]],
+        micro_batches: int,
+        *,
+        grid: ProcessGrid | None = None,
+        step: Callable[[], Any] | None = None,
+        partitioner: Any = None,
+        schedule_params: dict[str, Any] | None = None,
+        loss_scale: Callable[[], float] | None = None,
+        comm: Any = None,
+    ) -> None:
+        rank = dist.get_rank()
+        self.grid = grid or ProcessGrid(pipe=module.num_stages, data=dist.get_world_size() // module.num_stages)
+        if self.grid.degree("pipe") != module.num_stages:
+            raise ValueError(
+                f"PipelineRunner: the grid has {self.grid.degree('pipe')} pipeline stages but the module "
+                f"{module.num_stages}"
+            )
+        self.module, self.schedule, self.m = module, schedule, micro_batches
+        self.params = dict(schedule_params or {})
+        if module.virtual_stages > 1:
+            self.params.setdefault("virtual_stages", module.virtual_stages)
+        self.step_fn, self.partitioner = step, partitioner
+        self.loss_scale = loss_scale or (lambda: 1.0)
+        self.coord = self.grid.coord(rank)
+        if self.coord.pipe != module.stage_id:
+            raise ValueError(f"PipelineRunner: rank {rank} is pipeline stage {self.coord.pipe}, module stage {module.stage_id}")
+        self.comms = self.grid.build(rank)
+        module.setup_tied(self.grid, rank)
+        self.wire = comm  # counts bytes of transfers when given
+        # shapes are exchanged once per channel and cached on both ends
+        self._shapes: dict[tuple[str, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
+        self._sent_header: set[tuple[str, int, int]] = set()
+
+    # -- point-to-point --------------------------------------------------------------------------
+    def _peer_rank(self, inst: CommInstruction) -> int:
+        stage, _ = peer_of(inst, self.module.stage_id, self.module.num_stages)
+        return self.grid.rank(pipe=stage, data=self.coord.data, tensor=self.coord.tensor)
+
+    def _key(self, inst: CommInstruction, sending: bool) -> tuple[str, int, int]:
+        kind = "act" if isinstance(inst, (SendActivation, RecvActivation)) else "grad"
+        _, peer_chunk = peer_of(inst, self.module.stage_id, self.module.num_stages)
+        # both ends name the channel by (kind, sender chunk, receiver chunk)
+        return (kind, inst.chunk, peer_chunk) if sending else (kind, peer_chunk, inst.chunk)
+
+    def _transfer(self, batch: list[CommInstruction], st: "_State") -> None:
+        ops = []
+        for inst in batch:
+            if isinstance(inst, (SendActivation, SendGrad)):
+                t = st.outbox.pop((inst.micro_batch, inst.chunk, type(inst)))
+                if not isinstance(t, torch.Tensor):
+                    raise TypeError(f"pipeline stages pass one tensor between stages; chunk {inst.chunk} produced {type(t).__name__}")
+                t = t.detach().contiguous()
+                key, peer = self._key(inst, True), self._peer_rank(inst)
+                if key not in self._sent_header:
+                    self._sent_header.add(key)
+                    st.pending.append(dist.isend(_header(t), peer))
+                st.pending.append(dist.isend(t, peer))
+                st.keep.append(t)
+                if self.wire is not None:
+                    self.wire.account("send", t.numel() * t.element_size())
+        for inst in batch:
+            if isinstance(inst, (RecvActivation, RecvGrad)):
+                key, peer = self._key(inst, False), self._peer_rank(inst)
+                if key not in self._shapes:
+                    h = torch.empty(_HEADER, dtype=torch.int64)
+                    dist.recv(h, peer)
+                    self._shapes[key] = (_DTYPES[int(h[0])], tuple(int(d) for d in h[2 : 2 + int(h[1])]))
+                dtype, shape = self._shapes[key]
+                buf = torch.empty(shape, dtype=dtype)
+                ops.append(dist.P2POp(dist.irecv, buf, peer))
+                st.inbox[(inst.micro_batch, inst.chunk, type(inst))] = buf
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    # -- one global batch ------------------------------------------------------------------------
+    def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """Run the schedule once over ``micro_batches`` micro-batches; return the mean loss (on
+        every rank)."""
+        mod, p, s, v = self.module, self.module.num_stages, self.module.stage_id, self.module.virtual_stages
+        stream = list(self.schedule(p, s, self.m, **self.params))
+        last_backward = max((i for i, x in enumerate(stream) if isinstance(x, (Backward, BackwardInput))), default=-1)
+        st = _State()
+        mod.train()
+        i = 0
+        while i < len(stream):
+            inst = stream[i]
+            if isinstance(inst, CommInstruction):
+                j = i
+                while j < len(stream) and isinstance(stream[j], CommInstruction):
+                    j += 1
+                self._transfer(stream[i:j], st)
+                i = j
+                continue
+            mb, c = getattr(inst, "micro_batch", 0), getattr(inst, "chunk", 0)
+            first, last = is_first_virtual(s, c), is_last_virtual(s, c, p, v)
+            if isinstance(inst, LoadMicroBatch):
+                st.batches[mb] = next(data_iter)
+            elif isinstance(inst, Forward):
+                x = st.batches[mb][0] if first else st.inbox.pop((mb, c, RecvActivation))
+                if not first and x.is_floating_point():
+                    x.requires_grad_(True)
+                out = mod.forward_chunk(c, x)
+                if last:
+                    loss = mod.loss_fn(out, st.batches[mb][1])
+                    st.losses.append(loss.detach())
+                    out = loss * (self.loss_scale() / self.m)
+                    st.batches.pop(mb, None)
+                else:
+                    st.outbox[(mb, c, SendActivation)] = out
+                st.saved[(mb, c)] = (x, out)
+            elif isinstance(inst, (Backward, BackwardInput)):
+                x, out = st.saved[(mb, c)]
+                grad = None if last else st.inbox.pop((mb, c, RecvGrad))
+                ctx = self.partitioner.backward_context(i == last_backward) if self.partitioner else contextlib.nullcontext()
+                with ctx:
+                    if isinstance(inst, Backward):
+                        st.saved.pop((mb, c))
+                        torch.autograd.backward(out, grad)
+                        gx = x.grad if not first else None
+                    else:
+                        st.grads[(mb, c)] = grad
+                        gx = None if first else torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+                if not first:
+                    st.outbox[(mb, c, SendGrad)] = gx
+            elif isinstance(inst, BackwardWeight):
+                x, out = st.saved.pop((mb, c))
+                params = [q for q in mod.chunks[c].parameters() if q.requires_grad]
+                if params:
+                    torch.autograd.backward(out, st.grads.pop((mb, c)), inputs=params)
+            elif isinstance(inst, ReduceTiedGrads):
+                mod.reduce_tied_grads()
+            elif isinstance(inst, ReduceGrads):
+                self._reduce_grads()
+            elif isinstance(inst, OptimizerStep):
+                for work in st.pending:
+                    work.wait()
+                st.pending.clear()
+                if self.step_fn is not None:
+                    self.step_fn()
+            i += 1
+        for work in st.pending:
+            work.wait()
+        return self._mean_loss(st.losses)
+
+    def _reduce_grads(self) -> None:
+        if self.partitioner is not None:
+            self.partitioner.after_backward(True)
+            return
+        data = self.comms.get("data")
+        if data is None or data.world_size == 1:
+            return
+        for q in self.module.parameters():
+            if q.requires_grad:
+                if q.grad is None:
+                    q.grad = torch.zeros_like(q)
+                data.all_reduce(q.grad, op="avg")
+
+    def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        value = torch.stack(losses).mean() if losses else torch.zeros(())
+        value = value.float().reshape(1).clone()
+        pipe = self.comms["pipe"]
+        last = self.grid.rank(pipe=self.module.num_stages - 1, data=self.coord.data, tensor=self.coord.tensor)
+        pipe.broadcast(value, src=last)
+        return value[0]
+
+
+class _State:
+    """Tensors in flight during one global batch."""
+
+    def __init__(self) -> None:
+        self.batches: dict[int, Any] = {}
+        self.saved: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
+        self.grads: dict[tuple[int, int], torch.Tensor | None] = {}
+        self.inbox: dict[tuple, torch.Tensor] = {}
+        self.outbox: dict[tuple, Any] = {}
+        self.losses: list[torch.Tensor] = []
+        self.pending: list[Any] = []
+        self.keep: list[torch.Tensor] = []
+
+
+def _header(t: torch.Tensor) -> torch.Tensor:
+    if t.dim() > _HEADER - 2:
+        raise ValueError(f"pipeline transfers support up to {_HEADER - 2} dimensions, got {t.dim()}")
+    if t.dtype not in _DTYPES:
+        raise ValueError(f"pipeline transfers do not support dtype {t.dtype}")
+    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
+    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+    return h

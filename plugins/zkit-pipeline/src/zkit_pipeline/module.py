@@ -1,0 +1,217 @@
+"""PipelineModule: a model written as a flat list of layers, cut into pipeline stages.
+
+Each rank builds only the layers of its own stage: a :class:`LayerSpec` records a layer's class and
+arguments and is built where it is needed (so a model too large for one rank can be described),
+and its parameter count for balancing is taken from a build on the ``meta`` device, which allocates
+nothing. A :class:`TiedLayerSpec` shares one module (an embedding used again as the LM head) among
+all the stages that use its key; their gradients are summed over those stages after backward.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
+
+
+class LayerSpec:
+    """``LayerSpec(nn.Linear, 16, 16)`` builds ``nn.Linear(16, 16)`` on its owning stage only."""
+
+    def __init__(self, typename: type[nn.Module], *args: Any, **kwargs: Any) -> None:
+        if not (isinstance(typename, type) and issubclass(typename, nn.Module)):
+            raise TypeError(f"LayerSpec needs an nn.Module subclass, got {typename!r}")
+        self.typename, self.args, self.kwargs = typename, args, kwargs
+
+    def build(self) -> nn.Module:
+        return self.typename(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.typename.__name__})"
+
+
+class TiedLayerSpec(LayerSpec):
+    """A layer whose module is shared by every spec with the same ``key``. ``forward_fn(module,
+    x)``, when given, is used instead of ``module(x)`` (an LM head reusing an embedding's weight)."""
+
+    def __init__(self, key: str, typename: type[nn.Module], *args: Any,
+                 forward_fn: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(typename, *args, **kwargs)
+        self.key, self.forward_fn = key, forward_fn
+
+
+class _Tied(nn.Module):
+    """One use of a tied module, with its own forward."""
+
+    def __init__(self, module: nn.Module, forward_fn) -> None:
+        super().__init__()
+        self.tied = module
+        self.forward_fn = forward_fn
+
+    def forward(self, x):
+        return self.forward_fn(self.tied, x) if self.forward_fn else self.tied(x)
+
+
+def _describe(layer: Any) -> tuple[int, str]:
+    """(trainable parameter count, class name) of a layer without allocating it."""
+    if isinstance(layer, LayerSpec):
+        with torch.device("meta"):
+            module = layer.build()
+        name = layer.typename.__name__
+    elif isinstance(layer, nn.Module):
+        module, name = layer, type(layer).__name__
+    else:  # a plain function
+        return 0, getattr(layer, "__name__", type(layer).__name__)
+    return sum(p.numel() for p in module.parameters() if p.requires_grad), name
+
+
+class PipelineModule(nn.Module):
+    """The layers of one pipeline stage (all its chunks) of a model given as a layer list.
+
+    ``layers`` holds modules, :class:`LayerSpec` s, :class:`TiedLayerSpec` s or plain functions
+    (``lambda x: x.flatten(1)``). ``loss_fn(output, labels)`` runs on the last stage. With
+    ``virtual_stages = v`` the layers are cut into ``num_stages * v`` parts and this stage holds
+    parts ``stage_id, stage_id + p, ...`` (for interleaved schedules).
+    ``activation_checkpoint_interval = k > 0`` recomputes each run of ``k`` layers in backward
+    instead of keeping its activations.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[Any],
+        num_stages: int,
+        loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
+        *,
+        stage_id: int,
+        partition_method: str = "parameters",
+        activation_checkpoint_interval: int = 0,
+        virtual_stages: int = 1,
+        schedule: str = "1f1b",
+    ) -> None:
+        super().__init__()
+        layers = list(layers)
+        #: name of the step-scheduler record ``engine.train_batch`` runs this module with
+        self.schedule = schedule
+        if not isinstance(num_stages, int) or num_stages < 1:
+            raise ValueError(f"PipelineModule: num_stages must be an int >= 1, got {num_stages!r}")
+        if not isinstance(virtual_stages, int) or virtual_stages < 1:
+            raise ValueError(f"PipelineModule: virtual_stages must be an int >= 1, got {virtual_stages!r}")
+        if not 0 <= stage_id < num_stages:
+            raise ValueError(f"PipelineModule: stage_id must be in [0, {num_stages}), got {stage_id}")
+        parts = num_stages * virtual_stages
+        if len(layers) < parts:
+            raise ValueError(
+                f"PipelineModule: {len(layers)} layers cannot be split over {num_stages} stages x "
+                f"{virtual_stages} virtual stages; every stage needs at least one layer"
+            )
+        if activation_checkpoint_interval < 0:
+            raise ValueError(
+                f"PipelineModule: activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}"
+            )
+        self.num_stages, self.stage_id, self.virtual_stages = num_stages, stage_id, virtual_stages
+        self.loss_fn = loss_fn
+        self.checkpoint_interval = activation_checkpoint_interval
+        counts, names = zip(*(_describe(layer) for layer in layers))
+        self.bounds = balanced_bounds(layer_weights(partition_method, counts, names), parts)
+        self.tied_modules = nn.ModuleDict()
+        #: key -> stages using it (for the gradient all-reduce)
+        self.tied_stages: dict[str, list[int]] = {}
+        for k, layer in enumerate(layers):
+            if isinstance(layer, TiedLayerSpec):
+                stage = self._owner(k)
+                self.tied_stages.setdefault(layer.key, [])
+                if stage not in self.tied_stages[layer.key]:
+                    self.tied_stages[layer.key].append(stage)
+        self.chunks = nn.ModuleList()
+        self._funcs: list[list[Any]] = []
+        for c in range(virtual_stages):
+            v = c * num_stages + stage_id
+            built = [self._build(layers[i]) for i in range(self.bounds[v], self.bounds[v + 1])]
+            self.chunks.append(nn.ModuleList(m for m in built if isinstance(m, nn.Module)))
+            self._funcs.append(built)
+
+    def _owner(self, index: int) -> int:
+        for v in range(len(self.bounds) - 1):
+            if self.bounds[v] <= index < self.bounds[v + 1]:
+                return v % self.num_stages
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _build(self, layer: Any) -> Any:
+        if isinstance(layer, TiedLayerSpec):
+            if layer.key not in self.tied_modules:
+                self.tied_modules[layer.key] = layer.build()
+            return _Tied(self.tied_modules[layer.key], layer.forward_fn)
+        if isinstance(layer, LayerSpec):
+            return layer.build()
+        if isinstance(layer, nn.Module) or callable(layer):
+            return layer
+        raise TypeError(f"PipelineModule: a layer must be an nn.Module, LayerSpec or callable, got {layer!r}")
+
+    def layer_range(self, chunk: int = 0) -> tuple[int, int]:
+        """Indices ``[start, end)`` of the layer list that ``chunk`` of this stage runs."""
+        v = chunk * self.num_stages + self.stage_id
+        return self.bounds[v], self.bounds[v + 1]
+
+    def forward_chunk(self, chunk: int, x: Any) -> Any:
+        funcs = self._funcs[chunk]
+        k = self.checkpoint_interval
+        if k <= 0 or not torch.is_grad_enabled():
+            for f in funcs:
+                x = f(x)
+            return x
+        for i in range(0, len(funcs), k):
+            x = checkpoint(_run_all, funcs[i : i + k], x, use_reentrant=False)
+        return x
+
+    def forward(self, x: Any) -> Any:
+        """Run all this stage's layers (a single-stage model only)."""
+        if self.num_stages * self.virtual_stages != 1:
+            raise RuntimeError("PipelineModule with several stages runs through a pipeline schedule, not forward()")
+        return self.forward_chunk(0, x)
+
+    # -- tied weights ---------------------------------------------------------------------------
+    def tied_groups(self, grid: Any) -> dict[str, list[list[int]]]:
+        """For each tied key used on two or more stages: the rank groups (one per data x tensor
+        coordinate) whose gradients are summed."""
+        out: dict[str, list[list[int]]] = {}
+        for key, stages in sorted(self.tied_stages.items()):
+            if len(stages) < 2:
+                continue
+            out[key] = [
+                sorted(grid.rank(pipe=s, data=d, tensor=t) for s in stages)
+                for d in range(grid.degree("data"))
+                for t in range(grid.degree("tensor"))
+            ]
+        return out
+
+    def setup_tied(self, grid: Any, rank: int, communicator: Callable[[Any, Any], Any] | None = None) -> None:
+        """Create the tied groups (collective over all ranks) and make every tied module start
+        equal to the first stage's copy."""
+        if communicator is None:
+            from zkit.builtin.comm_torch import TorchCommunicator as communicator
+        self._tied_comms: dict[str, Any] = {}
+        for key, groups in self.tied_groups(grid).items():
+            for ranks in groups:
+                group = dist.new_group(ranks=ranks)
+                if rank in ranks:
+                    self._tied_comms[key] = communicator(group, None)
+                    for p in self.tied_modules[key].parameters():
+                        self._tied_comms[key].broadcast(p.data, src=ranks[0])
+
+    def reduce_tied_grads(self) -> None:
+        """Sum the gradients of every tied module over the stages that share it."""
+        for key, comm in getattr(self, "_tied_comms", {}).items():
+            for p in self.tied_modules[key].parameters():
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                comm.all_reduce(p.grad, op="sum")
+
+
+def _run_all(funcs, x):
+    for f in funcs:
+        x = f(x)
+    return x

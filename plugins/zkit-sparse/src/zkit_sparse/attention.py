@@ -1,0 +1,227 @@
+"""``SparseSelfAttention``: DeepSpeed's module, on current PyTorch, CPU and CUDA.
+
+::
+
+    from zkit_sparse import SparseSelfAttention, FixedSparsityConfig
+    attn = SparseSelfAttention(FixedSparsityConfig(num_heads=12, block=64), max_seq_length=8192)
+    out = attn(q, k, v, key_padding_mask=pad, attn_mask=None)   # [batch, heads, seq, head_dim]
+
+Masks follow DeepSpeed: ``key_padding_mask`` is ``[batch, seq]`` and ``attn_mask`` ``[seq, seq]``;
+mode ``"add"`` adds the mask to the scores, mode ``"mul"`` masks where the mask is 0. ``causal``
+(default: the layout's ``attention == "unidirectional"``) masks future keys inside the diagonal
+blocks too, which DeepSpeed left to an explicit ``attn_mask``. A row with every key masked gives
+a zero output (and zero gradients) rather than NaN.
+
+Paths: a layout with every block present runs PyTorch's SDPA; CUDA tensors run the Numba-CUDA
+kernels of ``zkit-cuda-numba`` when it is installed and a GPU is usable; everything else runs the
+batched-PyTorch block-sparse path (:mod:`zkit_sparse.block_attention_torch`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from zkit_sparse.block_attention_torch import MaskSpec, block_sparse_attention
+from zkit_sparse.block_lut import BlockLUT, build_lut
+from zkit_sparse.layouts import SparsityConfig
+
+_MASK_MODES = ("add", "mul")
+
+
+def _additive(mask: torch.Tensor, mode: str, name: str) -> torch.Tensor:
+    if mode == "mul" or mask.dtype == torch.bool:
+        keep = mask if mask.dtype == torch.bool else mask != 0
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(~keep, float("-inf"))
+    if not mask.is_floating_point():
+        raise TypeError(f"{name} in 'add' mode must be a float or bool tensor, got {mask.dtype}")
+    return mask.to(torch.promote_types(mask.dtype, torch.float32))
+
+
+def pad_to_block_size(block: int, *tensors: torch.Tensor, dim: int = 2, value: float = 0.0):
+    """Pad ``tensors`` along ``dim`` to a multiple of ``block``; returns ``(pad, padded...)``.
+
+    Mask the padded keys with a key-padding mask and drop the padded query rows from the output.
+    """
+    length = tensors[0].shape[dim]
+    pad = (-length) % block
+    if pad == 0:
+        return (0, *tensors)
+    padded = []
+    for t in tensors:
+        widths = [0, 0] * (t.dim() - 1 - dim % t.dim()) + [0, pad]
+        padded.append(F.pad(t, widths, value=value))
+    return (pad, *padded)
+
+
+class SparseSelfAttention(torch.nn.Module):
+    """Block-sparse scaled dot-product attention, DeepSpeed's ``SparseSelfAttention``.
+
+    Args:
+        sparsity_config: the layout (``FixedSparsityConfig(num_heads, block, ...)`` ...).
+        key_padding_mask_mode: ``"add"`` or ``"mul"`` (DeepSpeed's default ``"add"``).
+        attn_mask_mode: ``"add"`` or ``"mul"`` (DeepSpeed's default ``"mul"``).
+        max_seq_length: longest sequence; shorter ones use the top-left part of its layout,
+            exactly as DeepSpeed does.
+        causal: mask future keys; ``None`` = the layout's ``attention == "unidirectional"``.
+        dropout: attention-probability dropout, applied in training mode.
+        workspace_elems: score elements per chunk of the PyTorch path (bounds its extra memory).
+        use_kernels: ``None`` = Numba-CUDA kernels for CUDA tensors when available; ``False``
+            forces the PyTorch path; ``True`` makes a missing kernel an error.
+    """
+
+    def __init__(
+        self,
+        sparsity_config: SparsityConfig,
+        key_padding_mask_mode: str = "add",
+        attn_mask_mode: str = "mul",
+        max_seq_length: int = 2048,
+        *,
+        causal: bool | None = None,
+        dropout: float = 0.0,
+        workspace_elems: int = 1 << 22,
+        use_kernels: bool | None = None,
+    ):
+        super().__init__()
+        if not isinstance(sparsity_config, SparsityConfig):
+            raise TypeError(
+                f"sparsity_config must be a zkit_sparse SparsityConfig, got {type(sparsity_config).__name__}"
+            )
+        for name, mode in (("key_padding_mask_mode", key_padding_mask_mode),
+                           ("attn_mask_mode", attn_mask_mode)):
+            if mode not in _MASK_MODES:
+                raise ValueError(f"{name} must be 'add' or 'mul', got {mode!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+        self.sparsity_config = sparsity_config
+        self.key_padding_mask_mode = key_padding_mask_mode
+        self.attn_mask_mode = attn_mask_mode
+        self.max_seq_length = max_seq_length
+        if causal is None:
+            causal = getattr(sparsity_config, "attention", "bidirectional") == "unidirectional"
+        self.causal = bool(causal)
+        self.dropout = float(dropout)
+        self.workspace_elems = int(workspace_elems)
+        self.use_kernels = use_kernels
+        self.master_layout = sparsity_config.make_layout(max_seq_length)
+        self._luts: dict[tuple, object] = {}
+
+    def extra_repr(self) -> str:
+        return (f"{self.sparsity_config!r}, max_seq_length={self.max_seq_length}, "
+                f"causal={self.causal}, dropout={self.dropout}")
+
+    # -- layout -----------------------------------------------------------------------------
+    def layout(self, seq_len: int) -> torch.Tensor:
+        """The ``[heads, nb, nb]`` layout used for ``seq_len`` tokens."""
+        block = self.sparsity_config.block
+        if seq_len % block != 0:
+            raise ValueError(
+                f"sequence length {seq_len} is not divisible by the block size {block}: pad it "
+                f"with zkit_sparse.pad_to_block_size and mask the padding"
+            )
+        if seq_len > self.max_seq_length:
+            raise ValueError(
+                f"sequence length {seq_len} exceeds max_seq_length {self.max_seq_length} of this "
+                f"SparseSelfAttention; build it with a larger max_seq_length"
+            )
+        nb = seq_len // block
+        return self.master_layout[:, :nb, :nb]
+
+    def lut(self, seq_len: int, device: torch.device) -> BlockLUT:
+        key = (seq_len, device)
+        if key not in self._luts:
+            self._luts[key] = build_lut(self.layout(seq_len), self.sparsity_config.block,
+                                        self.causal).to(device)
+        return self._luts[key]
+
+    # -- forward ----------------------------------------------------------------------------
+    def _check(self, query, key, value, key_padding_mask, attn_mask) -> None:
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dim() != 4:
+                raise ValueError(f"{name} must be [batch, heads, seq, head_dim], got {tuple(t.shape)}")
+        if not (query.shape == key.shape and key.shape[:3] == value.shape[:3]):
+            raise ValueError(
+                f"query, key and value shapes differ: {tuple(query.shape)}, {tuple(key.shape)}, "
+                f"{tuple(value.shape)} (self-attention needs equal lengths)"
+            )
+        if value.shape[-1] != query.shape[-1]:
+            raise ValueError("value's head_dim must equal query's head_dim")
+        heads = query.shape[1]
+        if heads != self.sparsity_config.num_heads:
+            raise ValueError(
+                f"query has {heads} heads but the sparsity config was built for "
+                f"{self.sparsity_config.num_heads}"
+            )
+        b, _, t, _ = query.shape
+        if key_padding_mask is not None and tuple(key_padding_mask.shape) != (b, t):
+            raise ValueError(
+                f"key_padding_mask must be [batch, seq] = {(b, t)}, got {tuple(key_padding_mask.shape)}"
+            )
+        if attn_mask is not None and tuple(attn_mask.shape) != (t, t):
+            raise ValueError(f"attn_mask must be [seq, seq] = {(t, t)}, got {tuple(attn_mask.shape)}")
+
+    def forward(self, query, key, value, key_padding_mask=None, attn_mask=None):
+        self._check(query, key, value, key_padding_mask, attn_mask)
+        seq_len = query.shape[2]
+        layout = self.layout(seq_len)
+        scale = 1.0 / math.sqrt(query.shape[-1])
+        dropout = self.dropout if self.training else 0.0
+        kp = (None if key_padding_mask is None else
+              _additive(key_padding_mask, self.key_padding_mask_mode, "key_padding_mask"))
+        am = None if attn_mask is None else _additive(attn_mask, self.attn_mask_mode, "attn_mask")
+        if bool(layout.all()):
+            return self._dense(query, key, value, kp, am, scale, dropout)
+        lut = self.lut(seq_len, query.device)
+        masks = MaskSpec(key_padding=kp, attn=am, causal=self.causal)
+        if query.is_cuda and self.use_kernels is not False:
+            kernels = _cuda_kernels(required=bool(self.use_kernels), block=lut.block)
+            if kernels is not None:
+                key_ = ("kernel", seq_len, query.device)
+                if key_ not in self._luts:
+                    self._luts[key_] = kernels.build_kernel_lut(lut.layout, lut.block, query.device)
+                return kernels.block_sparse_attention(query, key, value, self._luts[key_], scale,
+                                                      kp, am, self.causal, dropout)
+        elif self.use_kernels:
+            raise RuntimeError("use_kernels=True needs CUDA tensors; got tensors on "
+                               f"{query.device}")
+        return block_sparse_attention(query, key, value, lut, masks, scale, dropout,
+                                      self.workspace_elems)
+
+    def _dense(self, q, k, v, kp, am, scale, dropout):
+        if kp is None and am is None:
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale,
+                                                  is_causal=self.causal)
+        bias = None
+        if kp is not None:
+            bias = kp[:, None, None, :]
+        if am is not None:
+            bias = am if bias is None else bias + am
+        if self.causal:
+            t = q.shape[2]
+            future = torch.ones(t, t, dtype=torch.bool, device=q.device).triu_(1)
+            causal_bias = torch.zeros(t, t, device=q.device).masked_fill_(future, float("-inf"))
+            bias = causal_bias if bias is None else bias + causal_bias
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype), dropout_p=dropout,
+                                             scale=scale)
+        # Fully masked rows: zero, as on the block-sparse paths (SDPA gives NaN).
+        return torch.nan_to_num(out, nan=0.0)
+
+
+def _cuda_kernels(required: bool, block: int):
+    try:
+        from zkit_cuda_numba import attention as kernels
+    except ImportError as exc:
+        if required:
+            raise RuntimeError(
+                "use_kernels=True needs the zkit-cuda-numba distribution: pip install zkit-cuda-numba"
+            ) from exc
+        return None
+    reason = kernels.unavailable_reason()
+    if reason is None and block not in kernels.SUPPORTED_BLOCKS:
+        reason = f"block size {block} is not one of the kernels' {kernels.SUPPORTED_BLOCKS}"
+    if reason is not None:
+        if required:
+            raise RuntimeError(f"Numba-CUDA block-sparse kernels unavailable: {reason}")
+        return None
+    return kernels

@@ -1,0 +1,154 @@
+"""Rank functions for the multi-rank engine tests (module level: ranks are spawned processes)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import zkit
+
+DTYPES = {"fp32": {}, "bf16": {"bf16": {"enabled": True}}, "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8}}}
+
+
+class TiedNet(torch.nn.Module):
+    """Embedding tied to the output head, a parameter used twice, uneven sizes."""
+
+    def __init__(self, vocab: int = 13, dim: int = 6) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, dim)
+        self.mix = torch.nn.Linear(dim, dim)
+        self.norm = torch.nn.LayerNorm(dim)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = torch.tanh(self.mix(h))
+        h = self.norm(torch.tanh(self.mix(h)) + h)  # self.mix used twice
+        logits = h @ self.embed.weight.t()  # tied head
+        return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+
+
+def make_model(seed: int = 0) -> TiedNet:
+    torch.manual_seed(seed)
+    return TiedNet()
+
+
+def global_batches(steps: int, gas: int, world: int, micro: int = 2, seq: int = 5):
+    g = torch.Generator().manual_seed(123)
+    n = steps * gas * world * micro
+    ids = torch.randint(0, 13, (n, seq), generator=g)
+    labels = torch.randint(0, 13, (n, seq), generator=g)
+    return ids, labels
+
+
+def config(stage: int, dtype: str, gas: int, world: int, micro: int = 2, **extra) -> dict:
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 40, "overlap_comm": True},
+        "steps_per_print": 1000,
+        **DTYPES[dtype],
+    }
+    cfg.update(extra)
+    return cfg
+
+
+def train_engine(engine, steps: int, gas: int, world: int, micro: int = 2, start: int = 0) -> list[float]:
+    """Each rank takes its slice of every global batch, like a DistributedSampler would."""
+    ids, labels = global_batches(start + steps, gas, world, micro)
+    rank = engine.rank
+    losses = []
+    for step in range(start, start + steps):
+        total = 0.0
+        for m in range(gas):
+            first = ((step * gas + m) * world + rank) * micro
+            loss = engine(ids[first : first + micro], labels[first : first + micro])
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(total / gas)
+    return losses
+
+
+def reference(steps: int, gas: int, world: int, micro: int = 2, clip: float = 0.0) -> list[torch.Tensor]:
+    """Single-process torch on the same global batches."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.01)
+    ids, labels = global_batches(steps, gas, world, micro)
+    per_step = gas * world * micro
+    for step in range(steps):
+        opt.zero_grad()
+        sl = slice(step * per_step, (step + 1) * per_step)
+        model(ids[sl], labels[sl]).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def params_of(engine) -> list[torch.Tensor]:
+    return [p.detach().float().clone() for p in engine.module.parameters()]
+
+
+def stage_matrix(cases: list[tuple[int, str, int]], steps: int = 3) -> dict:
+    """Train every (stage, dtype, gas) case; return final params and comm stats per case."""
+    world = torch.distributed.get_world_size()
+    out = {}
+    for stage, dtype, gas in cases:
+        engine, *_ = zkit.initialize(model=make_model(), config=config(stage, dtype, gas, world))
+        losses = train_engine(engine, steps, gas, world)
+        out[(stage, dtype, gas)] = (params_of(engine), losses, engine.comm_stats())
+        engine.close()
+    return out
+
+
+def clipped(clip: float, stage: int, steps: int = 3) -> list[torch.Tensor]:
+    world = torch.distributed.get_world_size()
+    engine, *_ = zkit.initialize(model=make_model(), config=config(stage, "fp32", 1, world, gradient_clipping=clip))
+    train_engine(engine, steps, 1, world)
+    return params_of(engine)
+
+
+def fp16_overflow() -> dict:
+    """A non-finite loss on one rank skips the step on every rank and halves the scale."""
+    world = torch.distributed.get_world_size()
+    cfg = config(2, "fp16", 1, world)
+    cfg["fp16"]["hysteresis"] = 1
+    engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+    before = params_of(engine)
+    scale = engine.loss_scale
+    ids, labels = global_batches(1, 1, world)
+    loss = engine(ids[:2], labels[:2])
+    if engine.rank == 1:
+        loss = loss * float("inf")
+    engine.backward(loss)
+    engine.step()
+    after = params_of(engine)
+    return {
+        "applied": engine.was_step_applied(),
+        "skipped": engine.skipped_steps,
+        "scale_before": scale,
+        "scale_after": engine.loss_scale,
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+    }
+
+
+def checkpoint_then_continue(path: str, stage: int, dtype: str = "fp32", gas: int = 1) -> dict:
+    """Train 2 steps, save, train 2 more: the uninterrupted run to compare a resumed one with."""
+    world = torch.distributed.get_world_size()
+    cfg = config(stage, dtype, gas, world, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}})
+    engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+    train_engine(engine, 2, gas, world)
+    engine.save_checkpoint(path, client_state={"epoch": 7})
+    losses = train_engine(engine, 2, gas, world, start=2)
+    return {"losses": losses, "params": params_of(engine), "lr": engine.get_lr()}
+
+
+def resume(path: str, stage: int, dtype: str = "fp32", gas: int = 1) -> dict:
+    world = torch.distributed.get_world_size()
+    cfg = config(stage, dtype, gas, world, scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 3}})
+    torch.manual_seed(999)  # a different init: everything must come from the checkpoint
+    engine, *_ = zkit.initialize(model=TiedNet(), config=cfg)
+    _, client = engine.load_checkpoint(path)
+    steps = engine.global_steps
+    losses = train_engine(engine, 2, gas, world, start=2)
+    return {"losses": losses, "params": params_of(engine), "client": client, "steps": steps, "lr": engine.get_lr()}

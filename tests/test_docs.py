@@ -1,0 +1,21 @@
+"""The documentation keeps up with the code."""
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import gen_hooks_doc  # noqa: E402
+
+
+def test_every_hook_is_documented_and_current():
+    text = (ROOT / "docs" / "hooks.md").read_text()
+    for name in gen_hooks_doc.hook_names():
+        assert f"### `{name}(" in text, f"{name} is missing from docs/hooks.md"
+    assert text == gen_hooks_doc.render(), "docs/hooks.md is stale: run python tools/gen_hooks_doc.py"
+
+
+def test_every_plugin_has_a_readme_with_install_and_use():
+    for dist in ["plugins/zkit-offload", "plugins/zkit-onebit", "plugins/zkit-pipeline", "plugins/zkit-sparse", "cuda_numba"]:
+        readme = (ROOT / dist / "README.md").read_text()
+        assert "pip install" in readme, dist

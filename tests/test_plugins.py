@@ -1,0 +1,106 @@
+"""The plugin manager: discovery, duplicate and unknown names, blocking, tracing, bad hooks."""
+import pytest
+
+import zkit
+from zkit.plugins import PluginError, get_plugin_manager
+from zkit.records import FAMILIES, OptimizerRecord, SchedulerRecord
+from zkit.stack import Stack, merge_plugin_stacks
+
+
+def _opt_plugin(name, label):
+    class Plugin:
+        __module__ = label  # the manager names a plugin's distribution after its module
+
+        @zkit.hookimpl
+        def zkit_register_optimizers(self):
+            yield OptimizerRecord(name=name, factory=lambda groups, **kw: None)
+
+    return Plugin()
+
+
+def test_builtins_cover_all_six_families():
+    pm = get_plugin_manager(autoload=False)
+    for family in FAMILIES:
+        assert pm.records(family), family
+    assert pm.lookup("partitioner", "ZeRO1").stage == 1
+    assert pm.lookup("optimizer", "ADAMW").dist == "zkit"
+
+
+def test_duplicate_name_names_both_distributions():
+    pm = get_plugin_manager(autoload=False, extra_plugins=[_opt_plugin("adam", "acme_optim")])
+    with pytest.raises(PluginError, match=r"two optimizer records are named 'adam': one from 'zkit', one from 'acme_optim'"):
+        pm.records("optimizer")
+
+
+def test_unknown_name_lists_valid_ones_and_the_closest():
+    pm = get_plugin_manager(autoload=False)
+    with pytest.raises(PluginError, match=r"unknown optimizer 'adamm'; valid optimizer names: .*adam, adamw.*Did you mean 'adam'\?"):
+        pm.lookup("optimizer", "adamm")
+
+
+def test_unknown_name_of_a_known_distribution_says_what_to_install():
+    pm = get_plugin_manager(autoload=False)
+    with pytest.raises(PluginError, match=r"provided by the distribution 'zkit-onebit': pip install zkit-onebit"):
+        pm.lookup("optimizer", "OneBitAdam")
+
+
+def test_blocking_a_builtin_removes_its_records():
+    pm = get_plugin_manager(autoload=False, blocked=["zkit.optim_torch"])
+    with pytest.raises(PluginError, match="unknown optimizer 'adam'"):
+        pm.lookup("optimizer", "adam")
+
+
+def test_blocking_through_the_environment(monkeypatch):
+    monkeypatch.setenv("ZKIT_BLOCK_PLUGINS", "zkit.schedules")
+    pm = get_plugin_manager(autoload=False)
+    assert not pm.records("scheduler") or "warmuplr" not in pm.records("scheduler")
+
+
+def test_misspelled_hook_fails_loudly():
+    class Typo:
+        @zkit.hookimpl
+        def zkit_register_optimisers(self):
+            return []
+
+    with pytest.raises(PluginError, match="zkit_register_optimisers"):
+        get_plugin_manager(autoload=False, extra_plugins=[Typo()])
+
+
+def test_wrong_record_type_is_named():
+    class Wrong:
+        @zkit.hookimpl
+        def zkit_register_optimizers(self):
+            yield SchedulerRecord(name="x", factory=object)
+
+    pm = get_plugin_manager(autoload=False, extra_plugins=[Wrong()])
+    with pytest.raises(PluginError, match="expected a optimizer record"):
+        pm.records("optimizer")
+
+
+def test_trace_logs_hook_calls(monkeypatch, capsys):
+    monkeypatch.setenv("ZKIT_TRACE", "1")
+    pm = get_plugin_manager(autoload=False)
+    pm.hook.zkit_report()
+    assert "[zkit trace]" in capsys.readouterr().err
+
+
+def test_stack_overrides_and_validates():
+    a = Stack(partitioner="zero1", optimizer="adam")
+    b = a | Stack(optimizer="sgd")
+    assert (b.partitioner, b.optimizer) == ("zero1", "sgd")
+    with pytest.raises(TypeError, match=r"Stack\(optimizer=...\) takes a optimizer name or a OptimizerRecord"):
+        Stack(optimizer=42)
+
+
+def test_two_plugins_choosing_different_records_is_an_error():
+    with pytest.raises(ValueError, match=r"plugins 'a' and 'b' both choose the allocator: 'host' vs 'nvme'"):
+        merge_plugin_stacks([("a", Stack(allocator="host")), ("b", Stack(allocator="nvme"))])
+    merged = merge_plugin_stacks([("a", Stack(allocator="host")), ("b", Stack(allocator="HOST", optimizer="x"))])
+    assert (merged.allocator, merged.optimizer) == ("HOST", "x")
+
+
+def test_record_names_are_validated():
+    with pytest.raises(ValueError, match="a record name must be a non-empty string"):
+        OptimizerRecord(name=" ", factory=object)
+    with pytest.raises(ValueError, match="'kind' must be in"):
+        SchedulerRecord(name="x", factory=object, kind="weird")

@@ -1,0 +1,57 @@
+"""The allocator interface: where the flat buffers of a partitioner live.
+
+A partitioner never calls ``torch.empty`` for model states itself; it asks the allocator, naming the
+purpose of the buffer. The default allocator (``"flat"``) puts everything on the engine's device;
+an offload allocator puts ``"master"`` and ``"optim_state"`` buffers in (pinned) host memory or
+behind an NVMe swapper. Counting bytes per purpose here gives the memory breakdown per rank.
+"""
+from __future__ import annotations
+
+import abc
+from collections import defaultdict
+
+import torch
+
+PURPOSES = ("param", "grad", "master", "master_grad", "optim_state", "bucket", "activation")
+
+
+class Allocator(abc.ABC):
+    """Hands out flat, 1-D, contiguous buffers and counts live bytes per purpose."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._live: dict[str, int] = defaultdict(int)
+        self._peak: dict[str, int] = defaultdict(int)
+
+    @abc.abstractmethod
+    def place(self, purpose: str) -> torch.device:
+        """The device a buffer of ``purpose`` lives on."""
+
+    def pin(self, purpose: str) -> bool:
+        """Whether host buffers of ``purpose`` should be page-locked (only meaningful with CUDA)."""
+        return False
+
+    def empty(self, numel: int, dtype: torch.dtype, purpose: str) -> torch.Tensor:
+        """A new flat buffer of ``numel`` elements (uninitialised)."""
+        if purpose not in PURPOSES:
+            raise ValueError(f"unknown buffer purpose {purpose!r}; valid: {', '.join(PURPOSES)}")
+        device = self.place(purpose)
+        pin = self.pin(purpose) and device.type == "cpu" and torch.cuda.is_available()
+        buf = torch.empty(int(numel), dtype=dtype, device=device, pin_memory=pin)
+        self.track(purpose, buf.numel() * buf.element_size())
+        return buf
+
+    def zeros(self, numel: int, dtype: torch.dtype, purpose: str) -> torch.Tensor:
+        return self.empty(numel, dtype, purpose).zero_()
+
+    def release(self, buf: torch.Tensor, purpose: str) -> None:
+        """Tell the allocator a buffer is no longer used (its bytes leave the live count)."""
+        self.track(purpose, -buf.numel() * buf.element_size())
+
+    def track(self, purpose: str, nbytes: int) -> None:
+        self._live[purpose] += nbytes
+        self._peak[purpose] = max(self._peak[purpose], self._live[purpose])
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """``{purpose: {"live": bytes, "peak": bytes}}``."""
+        return {p: {"live": self._live[p], "peak": self._peak[p]} for p in sorted(self._live)}

@@ -1,0 +1,158 @@
+"""The default communicator: torch.distributed collectives (gloo on CPU, NCCL on GPU) with byte
+counters. Other communicators (1-bit compression) wrap or subclass this one."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+import zkit
+from zkit.comm import Communicator, DoneHandle, check_op
+from zkit.records import CommunicatorRecord
+
+# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class _AvgHandle:
+    """Completes an ``avg`` the backend lacks (gloo): sum, then divide once the sum is done."""
+
+    def __init__(self, work, tensor: torch.Tensor, n: int) -> None:
+        self.work, self.tensor, self.n = work, tensor, n
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.tensor.div_(self.n)
+            self.work = None
+
+
+class TorchCommunicator(Communicator):
+    """torch.distributed over one process group (``None`` = the default group)."""
+
+    def __init__(self, group: Any = None, config: Any = None) -> None:
+        self.group = group
+        super().__init__(dist.get_rank(group), dist.get_world_size(group))
+        self.backend = dist.get_backend(group)
+        # Global rank -> rank in this group, for send/recv/broadcast, which take global ranks.
+        self._global_ranks = (
+            list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
+        )
+
+    def _finish(self, work, async_op: bool, post=None):
+        handle = post(work) if post else work
+        if async_op:
+            return handle if handle is not None else DoneHandle()
+        if handle is not None:
+            handle.wait()
+        return None
+
+    def _reduce(self, tensor: torch.Tensor, op: str, run) -> Any:
+        """Run a reducing collective, doing ``avg`` as sum + divide where the backend lacks it."""
+        check_op(op)
+        if op == "avg" and self.backend == "nccl":
+            return run(dist.ReduceOp.AVG), None
+        work = run(_OPS["sum" if op == "avg" else op])
+        if op == "avg":
+            return work, (lambda w: _AvgHandle(w, tensor, self.world_size))
+        return work, None
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        self.account("all_reduce", self.ring_bytes("all_reduce", _nbytes(tensor)))
+        if self.world_size == 1:
+            return DoneHandle() if async_op else None
+        work, post = self._reduce(
+            tensor, op, lambda o: dist.all_reduce(tensor, op=o, group=self.group, async_op=True)
+        )
+        return self._finish(work, async_op, post)
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        _check_sizes("reduce_scatter", output, input, self.world_size)
+        self.account("reduce_scatter", self.ring_bytes("reduce_scatter", _nbytes(input)))
+        if self.world_size == 1:
+            output.copy_(input)
+            return DoneHandle() if async_op else None
+        work, post = self._reduce(
+            output,
+            op,
+            lambda o: _reduce_scatter_flat(output, input, op=o, group=self.group, async_op=True),
+        )
+        return self._finish(work, async_op, post)
+
+    def all_gather(self, output, input, async_op=False):
+        _check_sizes("all_gather", input, output, self.world_size)
+        self.account("all_gather", self.ring_bytes("all_gather", _nbytes(output)))
+        if self.world_size == 1:
+            output.copy_(input)
+            return DoneHandle() if async_op else None
+        work = _all_gather_flat(output, input, group=self.group, async_op=True)
+        return self._finish(work, async_op)
+
+    def all_to_all(self, output, input, async_op=False):
+        if output.numel() != input.numel() or input.numel() % self.world_size:
+            raise ValueError(
+                f"all_to_all needs input and output of one size divisible by the world size "
+                f"{self.world_size}; got {input.numel()} and {output.numel()}"
+            )
+        self.account("all_to_all", self.ring_bytes("all_to_all", _nbytes(input)))
+        if self.world_size == 1:
+            output.copy_(input)
+            return DoneHandle() if async_op else None
+        work = dist.all_to_all_single(output, input, group=self.group, async_op=True)
+        return self._finish(work, async_op)
+
+    def broadcast(self, tensor, src, async_op=False):
+        self.account("broadcast", _nbytes(tensor) if dist.get_rank() == src else 0)
+        if self.world_size == 1:
+            return DoneHandle() if async_op else None
+        work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
+        return self._finish(work, async_op)
+
+    def send(self, tensor, dst):
+        self.account("send", _nbytes(tensor))
+        dist.send(tensor, dst=dst, group=self.group)
+
+    def recv(self, tensor, src):
+        self.account("recv", 0)
+        dist.recv(tensor, src=src, group=self.group)
+
+    def barrier(self):
+        if self.world_size > 1:
+            dist.barrier(group=self.group)
+
+    def all_gather_object(self, obj):
+        out: list[Any] = [None] * self.world_size
+        if self.world_size == 1:
+            return [obj]
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def subgroup(self, ranks: Sequence[int]) -> "TorchCommunicator":
+        group = dist.new_group(ranks=sorted(ranks))
+        return type(self)(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _check_sizes(kind: str, shard: torch.Tensor, full: torch.Tensor, n: int) -> None:
+    if full.numel() != shard.numel() * n:
+        raise ValueError(
+            f"{kind}: the full tensor must hold world size ({n}) x shard elements; got shard "
+            f"{shard.numel()} and full {full.numel()}"
+        )
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_register_communicators():
+    yield CommunicatorRecord(
+        name="torch",
+        factory=TorchCommunicator,
+        description="torch.distributed collectives (gloo on CPU, NCCL on GPU)",
+        aliases=("torch.distributed",),
+    )

@@ -1,0 +1,33 @@
+"""The ZeRO stages as partitioner records (``zero_optimization.stage`` selects by ``stage``)."""
+from __future__ import annotations
+
+import zkit
+from zkit.records import PartitionerRecord
+from zkit.zero.stage0 import Stage0
+from zkit.zero.stage1 import Stage1
+from zkit.zero.stage2 import Stage2
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_register_partitioners():
+    yield PartitionerRecord(
+        name="zero0",
+        stage=0,
+        factory=Stage0,
+        aliases=("stage0", "ddp"),
+        description="data parallel: replicated states, bucketed all-reduce overlapping backward",
+    )
+    yield PartitionerRecord(
+        name="zero1",
+        stage=1,
+        factory=Stage1,
+        aliases=("stage1",),
+        description="ZeRO-1: optimizer states partitioned",
+    )
+    yield PartitionerRecord(
+        name="zero2",
+        stage=2,
+        factory=Stage2,
+        aliases=("stage2",),
+        description="ZeRO-2: optimizer states and gradients partitioned",
+    )

@@ -1,0 +1,152 @@
+"""Loading a checkpoint at any world size and stage: each rank fills the pieces it owns now from
+the overlapping saved pieces, wherever they are."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zkit.checkpoint import rng
+from zkit.checkpoint.errors import CheckpointError
+from zkit.checkpoint.files import load_rank_file, rank_file, read_meta, resolve_tag
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit.engine import Engine
+    from zkit.partition import Piece
+
+
+def _check_params(meta: dict[str, Any], engine: "Engine", where: Path) -> None:
+    saved = meta["params"]
+    model = {name: list(p.shape) for name, p in engine.partitioner.named_trainable()}
+    missing = sorted(set(model) - set(saved))
+    unexpected = sorted(set(saved) - set(model))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{where}: the checkpoint's parameters do not match the model: missing from the checkpoint "
+            f"{missing[:5]}{'...' if len(missing) > 5 else ''}, not in the model "
+            f"{unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+    for name, shape in model.items():
+        if list(saved[name]) != shape:
+            raise CheckpointError(
+                f"{where}: parameter {name!r} has shape {tuple(shape)} in the model but "
+                f"{tuple(saved[name])} in the checkpoint"
+            )
+
+
+class _Filler:
+    """Copies saved ranges into one owned piece and checks the piece ends up fully covered."""
+
+    def __init__(self, piece: "Piece", engine: "Engine", with_state: bool) -> None:
+        self.piece = piece
+        self.covered = 0
+        self.with_state = with_state
+        self.state: dict[str, Any] = {}
+        self.optimizer = engine.optimizer
+
+    def fill(self, saved: dict[str, Any], where: Path) -> None:
+        p = self.piece
+        lo, hi = max(p.start, saved["start"]), min(p.end, saved["end"])
+        if lo >= hi:
+            return
+        src = slice(lo - saved["start"], hi - saved["start"])
+        dst = slice(lo - p.start, hi - p.start)
+        master = saved["master"]
+        if master.numel() != saved["end"] - saved["start"]:
+            raise CheckpointError(f"{where}: piece {p.name}[{saved['start']}:{saved['end']}] is truncated")
+        p.master.view(-1)[dst].copy_(master[src])
+        self.covered += hi - lo
+        if not self.with_state:
+            return
+        n = saved["end"] - saved["start"]
+        for key, value in saved["state"].items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == n:
+                if key not in self.state:
+                    self.state[key] = torch.zeros(p.end - p.start, dtype=value.dtype)
+                self.state[key][dst].copy_(value[src])
+            else:
+                self.state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
+
+    def finish(self) -> None:
+        p = self.piece
+        if self.covered != p.end - p.start:
+            raise CheckpointError(
+                f"the checkpoint covers {self.covered} of the {p.end - p.start} elements "
+                f"[{p.start}, {p.end}) of parameter {p.name!r}"
+            )
+        if self.with_state and self.state:
+            ref = p.opt_param
+            self.optimizer.state[ref] = {
+                k: (v.to(ref.device).view(ref.shape) if torch.is_tensor(v) and v.dim() > 0 else v)
+                for k, v in self.state.items()
+            }
+
+
+def load_checkpoint(
+    engine: "Engine",
+    load_dir: str,
+    *,
+    tag: str | None,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+) -> tuple[str, dict]:
+    root = Path(load_dir)
+    tag = resolve_tag(root, tag)
+    where = root / tag
+    meta = read_meta(where)
+    _check_params(meta, engine, where)
+
+    fillers: dict[str, list[_Filler]] = {}
+    for piece in engine.partitioner.pieces():
+        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, load_optimizer_states))
+    # Read only the files holding ranges this rank needs.
+    for fname, entries in meta["index"].items():
+        if not any(
+            f.piece.start < end and start < f.piece.end
+            for name, start, end in entries
+            for f in fillers.get(name, ())
+        ):
+            continue
+        data = load_rank_file(where / fname)
+        for saved in data["pieces"]:
+            for f in fillers.get(saved["name"], ()):
+                f.fill(saved, where / fname)
+    for group in fillers.values():
+        for f in group:
+            f.finish()
+
+    first = load_rank_file(where / rank_file(0))
+    mine = first if engine.rank == 0 else None
+    if meta["world_size"] == engine.world_size and engine.rank != 0:
+        mine = load_rank_file(where / rank_file(engine.rank))
+    _load_module_extras(engine.module, first.get("module_extras", {}), where)
+    if load_optimizer_states:
+        saved_groups = first.get("param_groups", [])
+        if len(saved_groups) == len(engine.optimizer.param_groups):
+            for group, saved in zip(engine.optimizer.param_groups, saved_groups):
+                group.update(saved)
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in first:
+        engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
+    if mine is not None:
+        rng.restore(mine["rng"])  # same world size: training continues bit for bit
+    engine.global_steps = meta["global_steps"]
+    engine.micro_steps = meta["micro_steps"]
+    engine.global_samples = meta["global_samples"]
+    engine.skipped_steps = meta["skipped_steps"]
+    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    plugin_state = (mine or first).get("plugins", {})
+    engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)
+    engine.partitioner.after_load()
+    engine.comm.barrier()
+    return str(where), first.get("client_state", {})
+
+
+def _load_module_extras(module: torch.nn.Module, extras: dict[str, torch.Tensor], where: Path) -> None:
+    targets = dict(module.named_buffers())
+    targets.update({n: p for n, p in module.named_parameters() if not p.requires_grad})
+    for name, value in extras.items():
+        if name not in targets:
+            raise CheckpointError(f"{where}: buffer {name!r} is in the checkpoint but not in the model")
+        with torch.no_grad():
+            targets[name].copy_(value)

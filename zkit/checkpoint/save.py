@@ -1,0 +1,116 @@
+"""Writing a checkpoint: every rank its pieces, rank 0 the metadata, atomically."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from zkit.checkpoint import rng
+from zkit.checkpoint.errors import CheckpointError
+from zkit.checkpoint.files import FORMAT, LATEST, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit.engine import Engine
+
+
+def _piece_state(engine: "Engine", opt_param: torch.Tensor) -> dict[str, Any]:
+    state = engine.optimizer.state.get(opt_param, {})
+    return {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state.items()}
+
+
+def module_extras(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """State the partitioner does not own: buffers and frozen parameters."""
+    out = {name: b.detach().cpu().clone() for name, b in module.named_buffers()}
+    out.update(
+        {name: p.detach().cpu().clone() for name, p in module.named_parameters() if not p.requires_grad}
+    )
+    return out
+
+
+def _check_client_state(client_state: dict) -> None:
+    import io
+
+    buf = io.BytesIO()
+    torch.save(client_state, buf)
+    buf.seek(0)
+    try:
+        torch.load(buf, weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            "client_state must hold only tensors, numbers, strings, lists, tuples and dicts (checkpoints are "
+            f"loaded with weights_only=True); it does not: {exc}"
+        ) from exc
+
+
+def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_state: dict, save_latest: bool) -> str:
+    comm, rank = engine.comm, engine.rank
+    tag = tag or f"global_step{engine.global_steps}"
+    if "/" in tag or tag.startswith("."):
+        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
+    root = Path(save_dir)
+    final, staging = root / tag, root / f".{tag}.partial"
+    if rank == 0:
+        _check_client_state(client_state)
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir()
+    comm.barrier()
+
+    part = engine.partitioner
+    pieces = part.pieces() if part.writes_checkpoint() else []
+    payload: dict[str, Any] = {
+        "pieces": [
+            {
+                "name": p.name,
+                "start": p.start,
+                "end": p.end,
+                "master": p.master.detach().float().cpu().clone(),
+                "state": _piece_state(engine, p.opt_param),
+            }
+            for p in pieces
+        ],
+        "rng": rng.capture(),
+        "plugins": engine.pm.call_each_named("zkit_checkpoint_save", engine=engine),
+    }
+    if rank == 0:
+        payload["client_state"] = client_state
+        payload["module_extras"] = module_extras(engine.module)
+        payload["param_groups"] = [
+            {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
+        ]
+        if engine.lr_scheduler is not None:
+            payload["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    atomic_torch_save(payload, staging / rank_file(rank))
+    index = comm.all_gather_object([[p.name, p.start, p.end] for p in pieces])
+
+    if rank == 0:
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tag": tag,
+            "world_size": engine.world_size,
+            "stage": part.stage,
+            "partitioner": engine.records["partitioner"].name,
+            "optimizer": part.ctx.optimizer.name,
+            "dtype": str(engine.dtype).replace("torch.", ""),
+            "global_steps": engine.global_steps,
+            "micro_steps": engine.micro_steps,
+            "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps,
+            "loss_scaler": engine.loss_scaler.state_dict(),
+            "params": {name: list(p.shape) for name, p in part.named_trainable()},
+            "index": {rank_file(r): entries for r, entries in enumerate(index)},
+        }
+        write_meta(staging / META, meta)
+        old = root / f".{tag}.old"
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            final.rename(old)
+        staging.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+        if save_latest:
+            atomic_write_bytes(root / LATEST, tag.encode())
+    comm.barrier()
+    return str(final)

@@ -1,0 +1,190 @@
+"""The ``zkit`` command: ``run`` (torchrun), ``plugins``, ``report``.
+
+    zkit run --nproc 2 train.py --my-arg 1        # launch ranks with torch.distributed's own launcher
+    zkit -p no:offload plugins                    # block a plugin, list what every family offers
+    zkit report                                   # versions, backends, kernels, plugins
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import platform
+import subprocess
+import sys
+from typing import Sequence
+
+
+def _blocked(values: Sequence[str]) -> list[str]:
+    out = []
+    for v in values:
+        if not v.startswith("no:"):
+            raise SystemExit(f"zkit: -p takes 'no:NAME' to block a plugin, got {v!r}")
+        out.append(v[3:])
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zkit", description="zkit: large-model training, a small kernel plus plugins")
+    p.add_argument("-p", dest="plugin_opts", action="append", default=[], metavar="no:NAME",
+                   help="block the plugin NAME (entry-point or distribution name); repeatable")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="launch a training script on N ranks (torchrun underneath)")
+    run.add_argument("--nproc", "--nproc-per-node", dest="nproc", default="1",
+                     help="ranks on this node (a number, or 'auto')")
+    run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic jobs")
+    run.add_argument("--node-rank", type=int, default=0)
+    run.add_argument("--master-addr", default="127.0.0.1")
+    run.add_argument("--master-port", type=int, default=29500)
+    run.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend (default: static)")
+    run.add_argument("--rdzv-endpoint", default=None)
+    run.add_argument("--rdzv-id", default=None)
+    run.add_argument("--max-restarts", type=int, default=0)
+    run.add_argument("--threads-per-rank", type=int, default=None,
+                     help="OMP/torch threads per rank (default: cores / ranks)")
+    run.add_argument("script")
+    run.add_argument("script_args", nargs=argparse.REMAINDER)
+
+    sub.add_parser("plugins", help="list every family's records with their distributions")
+    sub.add_parser("report", help="versions, backends, kernels and plugins of this environment")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    blocked = _blocked(args.plugin_opts)
+    if blocked:
+        # Children (ranks) inherit the environment, so a block applies to the whole job.
+        os.environ["ZKIT_BLOCK_PLUGINS"] = ",".join(
+            [b for b in os.environ.get("ZKIT_BLOCK_PLUGINS", "").split(",") if b] + blocked
+        )
+    if args.command == "run":
+        return run(args)
+    if args.command == "plugins":
+        print(plugins_text())
+        return 0
+    print(report_text())
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from torch.distributed import run as torchrun
+
+    nproc = args.nproc
+    threads = args.threads_per_rank
+    if threads is None and nproc.isdigit():
+        threads = max(1, (os.cpu_count() or 1) // int(nproc))
+    if threads:
+        # Ranks sharing cores must not each start one thread per core.
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        os.environ.setdefault("NUMBA_NUM_THREADS", str(threads))
+    targs = [f"--nproc-per-node={nproc}", f"--nnodes={args.nnodes}", f"--max-restarts={args.max_restarts}"]
+    if args.rdzv_backend:
+        targs += [f"--rdzv-backend={args.rdzv_backend}"]
+        if args.rdzv_endpoint:
+            targs += [f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        if args.rdzv_id:
+            targs += [f"--rdzv-id={args.rdzv_id}"]
+    else:
+        targs += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
+                  f"--master-port={args.master_port}"]
+    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    torchrun.main([*targs, args.script, *script_args])
+    return 0
+
+
+def plugins_text() -> str:
+    from zkit.plugins import get_plugin_manager
+    from zkit.records import FAMILIES
+
+    pm = get_plugin_manager()
+    lines = ["plugins:"]
+    for name, plugin in pm.list_name_plugin():
+        if plugin is not None:
+            lines.append(f"  {name:28s} {pm.dist_of(plugin)}")
+    for family in FAMILIES:
+        lines.append(f"{family}:")
+        seen = set()
+        for rec in pm.records(family).values():
+            if id(rec) in seen:
+                continue
+            seen.add(id(rec))
+            aliases = f" (aliases: {', '.join(rec.aliases)})" if rec.aliases else ""
+            extra = f" [{rec.kind}]" if family == "scheduler" else ""
+            lines.append(f"  {rec.name:22s} {rec.dist:24s} {rec.description}{extra}{aliases}")
+        if not seen:
+            lines.append("  (none)")
+    sections = pm.config_sections()
+    if sections:
+        lines.append("config sections:")
+        for path, rec in sorted(sections.items()):
+            lines.append(f"  {path:40s} {rec.dist}")
+    return "\n".join(lines)
+
+
+def _version(dist: str) -> str:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+_SIMULATOR_PROBE = """
+import numpy as np
+from numba import cuda
+@cuda.jit
+def inc(a):
+    i = cuda.grid(1)
+    if i < a.size:
+        a[i] += 1
+a = np.zeros(8, dtype=np.float32)
+inc[1, 8](a)
+assert a.sum() == 8
+"""
+
+
+def report_text() -> str:
+    import torch
+    import torch.distributed as dist
+
+    from zkit.plugins import get_plugin_manager
+
+    lines = [
+        f"zkit {_version('zkit')}  python {platform.python_version()}  {platform.platform()}",
+        f"torch {torch.__version__}  pluggy {_version('pluggy')}  attrs {_version('attrs')}  msgpack {_version('msgpack')}",
+        f"backends: gloo {'yes' if dist.is_gloo_available() else 'no'}, nccl {'yes' if dist.is_nccl_available() else 'no'}, "
+        f"cuda {'yes: ' + torch.cuda.get_device_name() if torch.cuda.is_available() else 'no'}",
+    ]
+    numba_version = _version("numba")
+    lines.append(f"numba {numba_version}  numba-cuda {_version('numba-cuda')}")
+    if numba_version != "not installed":
+        try:
+            from numba import cuda
+
+            lines.append(f"numba CUDA device: {'yes' if cuda.is_available() else 'no (no driver or GPU)'}")
+        except Exception as exc:  # report, never crash
+            lines.append(f"numba CUDA: import failed ({exc})")
+        probe = subprocess.run(
+            [sys.executable, "-c", _SIMULATOR_PROBE],
+            env={**os.environ, "NUMBA_ENABLE_CUDASIM": "1"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        lines.append(
+            "numba CUDA simulator: works" if probe.returncode == 0
+            else f"numba CUDA simulator: fails ({probe.stderr.strip().splitlines()[-1] if probe.stderr.strip() else probe.returncode})"
+        )
+    pm = get_plugin_manager()
+    lines.append("plugins:")
+    for name, plugin in pm.list_name_plugin():
+        if plugin is not None:
+            lines.append(f"  {name:28s} {pm.dist_of(plugin)}")
+    for topic, text in (item for result in pm.hook.zkit_report() for item in (result or ())):
+        lines.append(f"{topic}: {text}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

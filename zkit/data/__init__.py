@@ -1,0 +1,6 @@
+"""Datasets for zkit's examples and tests."""
+from __future__ import annotations
+
+from zkit.data.text import VOCAB_SIZE, ByteTextDataset, decode, encode
+
+__all__ = ["VOCAB_SIZE", "ByteTextDataset", "decode", "encode"]

@@ -1,0 +1,36 @@
+"""Joining the process group. zkit never runs its own rendezvous: ranks come from torchrun's
+environment (``zkit run`` is torchrun), or from a group the caller already initialised."""
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return torch.device("cuda", local)
+    return torch.device("cpu")
+
+
+def ensure_initialized(timeout_s: float | None = None) -> None:
+    """Initialise the default process group from torchrun's environment variables when the caller
+    has not done so. Without them (a plain ``python train.py``) the world is this one process."""
+    if dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    kwargs = {"timeout": timeout} if timeout else {}
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(default_backend(), **kwargs)
+    else:
+        dist.init_process_group(
+            default_backend(), store=dist.HashStore(), rank=0, world_size=1, **kwargs
+        )

@@ -1,0 +1,199 @@
+"""Every hook of zkit, in one file. Each docstring is the plugin author's manual for that hook.
+
+A plugin is a plain module (or object) with functions marked ``@zkit.hookimpl`` whose names are
+hook names below; it is found through the entry-point group ``zkit``::
+
+    # pyproject.toml of your distribution
+    [project.entry-points.zkit]
+    myplugin = "my_package.zkit_plugin"
+
+zkit's own defaults are plugins of these very hooks (``zkit.builtin``), registered ``trylast`` so an
+installed plugin's answer to a ``firstresult`` hook wins. A function named ``zkit_*`` that matches
+no hook here is an error at start-up (a misspelled hook fails loudly).
+
+There are two kinds of hooks:
+
+* **Registration hooks** (``zkit_register_*``, ``zkit_config_sections``) yield small frozen
+  records (:mod:`zkit.records`). Two records with one name is an error naming both distributions.
+* **Lifecycle hooks** are called at named moments of a run with the engine in hand.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    from zkit.config import ZkitConfig
+    from zkit.engine import Engine
+    from zkit.records import (
+        AllocatorRecord,
+        AttentionRecord,
+        CommunicatorRecord,
+        ConfigSectionRecord,
+        OptimizerRecord,
+        PartitionerRecord,
+        SchedulerRecord,
+    )
+    from zkit.stack import Stack
+
+PROJECT = "zkit"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: one hook per family
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def zkit_register_partitioners() -> Iterable[PartitionerRecord]:
+    """Yield :class:`~zkit.records.PartitionerRecord` s: ways to split model states over
+    data-parallel ranks. Selected by ``zero_optimization.stage`` (the record's ``stage``) or by
+    name (``Stack(partitioner="zero2")``).
+
+    The factory gets a :class:`zkit.partition.PartitionContext` and returns a
+    :class:`zkit.partition.Partitioner`. Example::
+
+        @zkit.hookimpl
+        def zkit_register_partitioners():
+            yield PartitionerRecord(name="mystage", stage=None, factory=MyPartitioner)
+    """
+
+
+@hookspec
+def zkit_register_communicators() -> Iterable[CommunicatorRecord]:
+    """Yield :class:`~zkit.records.CommunicatorRecord` s: implementations of
+    :class:`zkit.comm.Communicator` (all-reduce, reduce-scatter, all-gather, all-to-all,
+    broadcast, point-to-point) with byte counters. The default is ``"torch"``
+    (torch.distributed). Example::
+
+        @zkit.hookimpl
+        def zkit_register_communicators():
+            yield CommunicatorRecord(name="onebit", factory=OneBitCommunicator)
+    """
+
+
+@hookspec
+def zkit_register_optimizers() -> Iterable[OptimizerRecord]:
+    """Yield :class:`~zkit.records.OptimizerRecord` s, selected by
+    ``"optimizer": {"type": name}`` (case-insensitive) or ``Stack(optimizer=name)``.
+
+    Declare the per-parameter state tensors in ``state_names`` so that every ZeRO stage can shard
+    and checkpoint the optimizer without knowing it. Example::
+
+        @zkit.hookimpl
+        def zkit_register_optimizers():
+            yield OptimizerRecord(name="lion", factory=Lion, state_names=("exp_avg",))
+    """
+
+
+@hookspec
+def zkit_register_schedulers() -> Iterable[SchedulerRecord]:
+    """Yield :class:`~zkit.records.SchedulerRecord` s: learning-rate schedules (``kind="lr"``,
+    selected by ``"scheduler": {"type": name, "params": {...}}``) and step schedules
+    (``kind="step"``: instruction streams for one global batch, e.g. pipeline schedules)."""
+
+
+@hookspec
+def zkit_register_allocators() -> Iterable[AllocatorRecord]:
+    """Yield :class:`~zkit.records.AllocatorRecord` s: where flat buffers live (device memory,
+    pinned host memory, NVMe files). The factory returns a :class:`zkit.alloc.Allocator`; the
+    partitioner asks it for every flat buffer, naming the buffer's purpose (``"param"``,
+    ``"grad"``, ``"master"``, ``"optim_state"``, ``"bucket"``), so an allocator can place, say,
+    master weights and optimizer state on the host."""
+
+
+@hookspec
+def zkit_register_attention() -> Iterable[AttentionRecord]:
+    """Yield :class:`~zkit.records.AttentionRecord` s: attention implementations that a model
+    builds with :func:`zkit.attention.build_attention` by name (``"dense"``, ``"block_sparse"``...)."""
+
+
+@hookspec
+def zkit_config_sections() -> Iterable[ConfigSectionRecord]:
+    """Yield :class:`~zkit.records.ConfigSectionRecord` s for the config keys the plugin owns
+    (``"sparse_attention"``, ``"zero_optimization.offload_optimizer"``). The loader structures the
+    user's dict into the record's attrs ``schema`` and rejects unknown keys with the closest valid
+    one. A key that zkit knows belongs to a distribution that is not installed is an error naming
+    the distribution to install. Read the section back with ``config.section(path)``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Lifecycle
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def zkit_configure(config: ZkitConfig) -> Stack | None:
+    """Called once per :func:`zkit.initialize`, after the config is loaded and before anything is
+    built. Return a :class:`zkit.Stack` to choose records this config needs (the offload plugin
+    answers ``offload_optimizer.device == "cpu"`` with ``Stack(allocator="host",
+    optimizer="cpu_adam")``), or ``None``. Stacks returned here are overridden by a stack the
+    user passes to ``initialize``; two plugins choosing different records for one family is an
+    error naming both."""
+
+
+@hookspec
+def zkit_engine_setup(engine: Engine) -> None:
+    """Called once when the engine is fully built (partitioner, optimizer and LR schedule in
+    place), before the first forward. Attach monitors, prefetchers, hang detectors here."""
+
+
+@hookspec(firstresult=True)
+def zkit_train_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
+    """Run one whole global batch (all its micro-batches) and return the mean loss.
+
+    ``engine.train_batch(data_iter)`` calls this. The built-in implementation (``trylast``) takes
+    ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and runs
+    forward/backward/step on each. A pipeline plugin answers with its own schedule. First non-None
+    answer wins."""
+
+
+@hookspec
+def zkit_before_backward(engine: Engine, loss: Any) -> None:
+    """Called by ``engine.backward(loss)`` before the (scaled) loss is back-propagated."""
+
+
+@hookspec
+def zkit_after_backward(engine: Engine) -> None:
+    """Called by ``engine.backward(loss)`` after back-propagation and the partitioner's gradient
+    reduction for this micro-step have finished."""
+
+
+@hookspec(firstresult=True)
+def zkit_optimizer_step(engine: Engine) -> bool | None:
+    """Perform the optimizer step at a gradient-accumulation boundary and return whether the
+    step was applied (``False`` when skipped because of an fp16 overflow).
+
+    The built-in implementation (``trylast``) runs :meth:`zkit.engine.Engine.apply_step`:
+    global gradient norm and overflow check, loss-scale update, clipping, the partitioner's step,
+    the LR schedule. Wrap it (``@hookimpl(wrapper=True)``) to time or profile the step; answer it
+    to replace the step (a 1-bit optimizer that exchanges momentum instead of gradients)."""
+
+
+@hookspec
+def zkit_checkpoint_save(engine: Engine) -> dict[str, Any] | None:
+    """Return extra state to store in this rank's checkpoint file (tensors, numbers, strings,
+    nested dicts and lists; no arbitrary objects: checkpoints are loaded with
+    ``weights_only=True``). The returned dict is stored under the plugin's own key; return
+    ``None`` for nothing."""
+
+
+@hookspec
+def zkit_checkpoint_load(engine: Engine, state: dict[str, Any]) -> None:
+    """Restore what ``zkit_checkpoint_save`` stored. ``state`` maps each plugin's key to what it
+    returned at save time (missing keys when the checkpoint was written without the plugin)."""
+
+
+@hookspec
+def zkit_engine_close(engine: Engine) -> None:
+    """Called once when the engine is closed (``engine.close()``, or at interpreter exit). Free
+    files and threads: swap files, I/O pools, monitors."""
+
+
+@hookspec
+def zkit_report() -> Iterable[tuple[str, str]] | None:
+    """Yield ``(topic, text)`` lines for ``zkit report``: versions, whether a backend or
+    kernel works on this machine and, when it does not, why."""

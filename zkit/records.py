@@ -1,0 +1,153 @@
+"""The small typed records that registration hooks yield.
+
+Every family of plugins (partitioner, communicator, optimizer, scheduler, allocator, attention)
+registers *records*: frozen attrs classes holding a name, a factory and what the engine must know
+about the thing before building it. The config or a :class:`zkit.Stack` picks a record by name.
+
+A plugin never fills in ``dist``: the plugin manager stamps each record with the distribution that
+registered it, so that a duplicate name can be reported naming both distributions.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Literal
+
+import attrs
+
+
+def _name(value: str) -> str:
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"a record name must be a non-empty string, got {value!r}")
+    return value.strip().lower()
+
+
+def _names(values) -> tuple[str, ...]:
+    return tuple(_name(v) for v in values)
+
+
+@attrs.frozen(kw_only=True)
+class Record:
+    """Fields shared by every record. Names are case-insensitive (stored lower-case), so the
+    DeepSpeed spellings ``"Adam"``, ``"adam"`` and ``"ADAM"`` all select the same record."""
+
+    name: str = attrs.field(converter=_name)
+    factory: Callable[..., Any]
+    description: str = ""
+    aliases: tuple[str, ...] = attrs.field(default=(), converter=_names)
+    #: set by the plugin manager: the distribution (or ``"zkit"``) that registered the record.
+    dist: str = ""
+
+    @property
+    def family(self) -> str:
+        return FAMILY_OF_RECORD[type(self)]
+
+
+@attrs.frozen(kw_only=True)
+class PartitionerRecord(Record):
+    """How model states are split across data-parallel ranks.
+
+    ``factory(ctx: zkit.partition.PartitionContext) -> zkit.partition.Partitioner``.
+    ``stage`` is the ZeRO stage the partitioner implements (``zero_optimization.stage`` selects
+    by it), or ``None`` for a partitioner selected only by name.
+    """
+
+    stage: int | None = None
+
+
+@attrs.frozen(kw_only=True)
+class CommunicatorRecord(Record):
+    """Collectives between ranks.
+
+    ``factory(group, config) -> zkit.comm.Communicator`` where ``group`` is a
+    ``torch.distributed`` process group (``None`` = the default group).
+    """
+
+
+@attrs.frozen(kw_only=True)
+class OptimizerRecord(Record):
+    """An optimizer the config can name (``"optimizer": {"type": name, "params": {...}}``).
+
+    ``factory(param_groups, **params) -> torch.optim.Optimizer``; ``param_groups`` is a list of
+    dicts in torch's format. The partitioner hands the optimizer *its own shard* of every parameter,
+    so the record must say what the optimizer keeps per parameter:
+
+    * ``state_names``: the per-parameter state tensors shaped like the parameter (Adam:
+      ``("exp_avg", "exp_avg_sq")``); a checkpoint stores and reshards exactly these.
+    * ``elementwise``: True when the update of each element depends only on that element (Adam,
+      SGD). A non-elementwise optimizer (LAMB's trust ratio needs whole-parameter norms) is given
+      whole parameters or the partitioner refuses it with a clear error.
+    * ``devices``: device types the optimizer can step on (``"cpu"``, ``"cuda"``).
+    """
+
+    state_names: tuple[str, ...] = ()
+    elementwise: bool = True
+    devices: tuple[str, ...] = ("cpu", "cuda")
+
+
+@attrs.frozen(kw_only=True)
+class SchedulerRecord(Record):
+    """Something that orders training over time.
+
+    * ``kind="lr"``: a learning-rate schedule; ``factory(optimizer, **params)`` returns an object
+      with ``step()``, ``get_last_lr()``, ``state_dict()`` and ``load_state_dict()``. Selected by
+      ``"scheduler": {"type": name, "params": {...}}``.
+    * ``kind="step"``: a step schedule, i.e. an instruction stream for one global batch (gradient
+      accumulation, GPipe, 1F1B, ...); ``factory(**params)`` returns an object documented by the
+      plugin that executes it (see zkit-pipeline).
+    """
+
+    kind: Literal["lr", "step"] = attrs.field(
+        default="lr", validator=attrs.validators.in_(("lr", "step"))
+    )
+
+
+@attrs.frozen(kw_only=True)
+class AllocatorRecord(Record):
+    """Where tensors live: device memory, pinned host pools, NVMe files.
+
+    ``factory(device: torch.device, config) -> zkit.alloc.Allocator``.
+    """
+
+
+@attrs.frozen(kw_only=True)
+class AttentionRecord(Record):
+    """An attention implementation a model can select by name.
+
+    ``factory(**kwargs) -> torch.nn.Module`` called as
+    ``module(query, key, value, key_padding_mask=None, attn_mask=None)`` on
+    ``[batch, heads, seq, head_dim]`` tensors.
+    """
+
+
+@attrs.frozen(kw_only=True)
+class ConfigSectionRecord:
+    """A config section (or sub-key) that a plugin owns.
+
+    ``path`` is the dotted key (``"sparse_attention"``, ``"zero_optimization.offload_optimizer"``),
+    ``schema`` an attrs class the section's dict is structured into (unknown keys are rejected with
+    the closest valid key, like any built-in section).
+    """
+
+    path: str
+    schema: type
+    description: str = ""
+    dist: str = ""
+
+
+FAMILIES: tuple[str, ...] = (
+    "partitioner",
+    "communicator",
+    "optimizer",
+    "scheduler",
+    "allocator",
+    "attention",
+)
+
+RECORD_OF_FAMILY: dict[str, type[Record]] = {
+    "partitioner": PartitionerRecord,
+    "communicator": CommunicatorRecord,
+    "optimizer": OptimizerRecord,
+    "scheduler": SchedulerRecord,
+    "allocator": AllocatorRecord,
+    "attention": AttentionRecord,
+}
+FAMILY_OF_RECORD: dict[type, str] = {v: k for k, v in RECORD_OF_FAMILY.items()}

@@ -1,0 +1,123 @@
+"""Run a function on N ranks, each a real process in a gloo group on loopback, with a timeout.
+
+    results = run_ranks(my_check, world_size=2, args=(cfg,), timeout=120)
+
+``my_check(*args)`` runs once per rank, inside an initialised ``torch.distributed`` group, and returns a
+picklable value; ``run_ranks`` returns the values in rank order. A rank that raises makes ``run_ranks``
+raise :class:`RanksFailed` with that rank's traceback as soon as it is known (the other ranks are killed,
+never left hanging); a job that does not finish within ``timeout`` seconds raises :class:`RanksTimedOut`
+naming the ranks that had not finished. The function must be importable by name (module level), since
+ranks are started with ``spawn`` (forked children hang in torch's thread pool).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+
+class RanksFailed(RuntimeError):
+    """A rank raised; the message holds its traceback."""
+
+
+class RanksTimedOut(RuntimeError):
+    """The ranks did not all finish within the timeout."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, threads, env, results) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            # Destroying a group waits for no one: a rank that returns early must not hang the others.
+            dist.destroy_process_group()
+        # Plain pickle copies tensor bytes; the queue's default would pass file descriptors that
+        # die with this process.
+        results.put((rank, True, pickle.dumps(value)))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    timeout: float = 120.0,
+    threads_per_rank: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    child_env = {"OMP_NUM_THREADS": str(threads_per_rank), **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, tuple(args), dict(kwargs or {}), r, world_size, port, threads_per_rank, child_env, results),
+            daemon=True,
+        )
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(out) < world_size:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [r for r in range(world_size) if r not in out]
+                raise RanksTimedOut(
+                    f"{fn.__name__} on {world_size} ranks did not finish within {timeout:.0f} s; "
+                    f"ranks still running: {missing}"
+                )
+            try:
+                rank, ok, value = results.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                if dead:
+                    time.sleep(0.5)  # let a traceback that is on its way arrive first
+                    if results.empty():
+                        raise RanksFailed(
+                            f"rank {dead[0]} of {fn.__name__} died with exit code "
+                            f"{procs[dead[0]].exitcode} and no traceback"
+                        ) from None
+                continue
+            if not ok:
+                raise RanksFailed(f"rank {rank} of {fn.__name__} failed:\n{value}")
+            out[rank] = pickle.loads(value)
+    finally:
+        for p in procs:
+            p.join(timeout=5 if len(out) == world_size else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [out[r] for r in range(world_size)]

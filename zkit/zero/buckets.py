@@ -1,0 +1,70 @@
+"""Gradient bucketing shared by the stages: launch one collective per unit as soon as all of the
+unit's gradients are ready during backward, so communication overlaps the rest of backward.
+
+Collectives must be issued in the same order on every rank, or they pair up wrongly. Units are
+launched strictly in index order (unit ``i`` waits for units ``< i`` to launch), and the units are laid
+out in reverse parameter order, which is the order backward produces gradients in; so in the usual
+case each unit launches the moment its last gradient arrives.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Callable, Sequence
+
+from zkit.comm import Handle
+
+
+class GradientBucketer:
+    """Counts ready gradients per unit and launches/finishes the unit's reduction.
+
+    ``launch(unit) -> Handle | None`` starts the unit's collective; ``finish(unit)`` runs after it
+    completed (copy out, accumulate, release scratch). ``max_in_flight`` bounds the number of
+    unfinished collectives (each may hold a scratch bucket); ``0`` means unbounded.
+    """
+
+    def __init__(
+        self,
+        params_per_unit: Sequence[int],
+        launch: Callable[[int], Handle | None],
+        finish: Callable[[int], None],
+        max_in_flight: int = 0,
+    ) -> None:
+        self.sizes = list(params_per_unit)
+        self.launch = launch
+        self.finish = finish
+        self.max_in_flight = max_in_flight
+        self.pending: list[int] = []
+        self.next = 0
+        self.in_flight: deque[tuple[int, Any]] = deque()
+        self.reset()
+
+    def reset(self) -> None:
+        self.pending = list(self.sizes)
+        self.next = 0
+
+    def ready(self, unit: int) -> None:
+        """One gradient of ``unit`` is final for this backward."""
+        self.pending[unit] -= 1
+        if self.pending[unit] == 0:
+            self._launch_in_order()
+
+    def _launch_in_order(self, force: bool = False) -> None:
+        while self.next < len(self.sizes) and (force or self.pending[self.next] <= 0):
+            if self.max_in_flight and len(self.in_flight) >= self.max_in_flight:
+                self._complete_oldest()
+            self.in_flight.append((self.next, self.launch(self.next)))
+            self.next += 1
+
+    def _complete_oldest(self) -> None:
+        unit, handle = self.in_flight.popleft()
+        if handle is not None:
+            handle.wait()
+        self.finish(unit)
+
+    def flush(self) -> None:
+        """End of backward: launch every unit not launched yet (some parameters may have had no
+        gradient this time), then wait for all of them."""
+        self._launch_in_order(force=True)
+        while self.in_flight:
+            self._complete_oldest()
+        self.reset()

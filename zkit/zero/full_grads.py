@@ -1,0 +1,79 @@
+"""Gradients held in full, flat, per-unit buffers (stages 0 and 1).
+
+Each parameter's ``.grad`` is a view into its unit's gradient buffer, so autograd accumulates
+micro-steps in place and a whole unit goes to one collective without a copy. At the last
+micro-step of a batch, each unit's collective is launched as soon as its gradients are final.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from zkit.zero.buckets import GradientBucketer
+from zkit.zero.partitioner import ZeroPartitioner
+
+
+class FullGradientPartitioner(ZeroPartitioner):
+    """Shared gradient path of stages 0 and 1; subclasses say how a unit is reduced."""
+
+    def _init_grads(self) -> None:
+        self.grad_bufs: list[torch.Tensor] = []
+        self.grad_views: dict[int, torch.Tensor] = {}
+        for u, params in zip(self.units, self.unit_params):
+            buf = self.allocator.zeros(u.padded, self.dtype, "grad")
+            for slot, p in zip(u.slots, params):
+                view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                self.grad_views[id(p)] = view
+                p.grad = view
+            self.grad_bufs.append(buf)
+        self._reducing = False
+        self._scratch: dict[int, torch.Tensor] = {}
+        self.bucketer = GradientBucketer(
+            [len(ps) for ps in self.unit_params], self._launch, self._finish
+        )
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        view = self.grad_views[id(param)]
+        if param.grad is not view:
+            # Someone replaced .grad (model.zero_grad(set_to_none=True)): take the new values.
+            view.copy_(param.grad)
+            param.grad = view
+        if self._reducing:
+            self.bucketer.ready(self.unit_of[id(param)])
+
+    def backward_context(self, boundary: bool):
+        self._reducing = boundary and self.gradient_reduction and self.comm.world_size > 1
+        return contextlib.nullcontext()
+
+    def after_backward(self, boundary: bool) -> None:
+        if self._reducing:
+            self.bucketer.flush()
+        self._reducing = False
+
+    def _comm_buffer(self, unit: int) -> torch.Tensor:
+        """The unit's gradients in the communication dtype (a scratch copy when it differs)."""
+        buf = self.grad_bufs[unit]
+        if self.comm_dtype == buf.dtype:
+            return buf
+        scratch = buf.to(self.comm_dtype)
+        self._scratch[unit] = scratch
+        return scratch
+
+    def _launch(self, unit: int):
+        raise NotImplementedError
+
+    def _finish(self, unit: int) -> None:
+        scratch = self._scratch.pop(unit, None)
+        if scratch is not None:
+            self._copy_back(unit, scratch)
+
+    def _copy_back(self, unit: int, scratch: torch.Tensor) -> None:
+        self.grad_bufs[unit].copy_(scratch)
+
+    def zero_grad(self) -> None:
+        for buf in self.grad_bufs:
+            buf.zero_()
+        for params in self.unit_params:
+            for p in params:
+                p.grad = self.grad_views[id(p)]

@@ -1,0 +1,92 @@
+"""Stage 2: optimizer states and gradients partitioned.
+
+No full-size gradient buffer exists. Autograd produces each parameter's gradient as usual; when all
+gradients of a unit are final, they are packed into a bucket (scratch of one unit), the bucket is
+reduce-scattered into this rank's gradient shard, and the parameters' ``.grad`` are freed. This
+happens at every micro-step (accumulation happens in the shard), overlapped with the rest of
+backward when ``overlap_comm`` is on (two buckets in flight). Per-rank model states: 2Ψ + 14Ψ/N;
+communication: the same 2Ψ as data parallelism (reduce-scatter + all-gather).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from zkit.zero.buckets import GradientBucketer
+from zkit.zero.partitioner import ZeroPartitioner
+
+
+class Stage2(ZeroPartitioner):
+    stage = 2
+
+    def _init_grads(self) -> None:
+        self.grad_shards = [self.allocator.zeros(u.shard, self.comm_dtype, "grad") for u in self.units]
+        self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
+        in_flight = 2 if self.ctx.config.zero_optimization.overlap_comm else 1
+        self._bucket_numel = max(u.padded for u in self.units)
+        self._free: list[torch.Tensor] = []
+        self._launched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.bucketer = GradientBucketer(
+            [len(ps) for ps in self.unit_params], self._launch, self._finish, max_in_flight=in_flight
+        )
+
+    def no_sync_allowed(self) -> bool:
+        return False
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self.bucketer.ready(self.unit_of[id(param)])
+
+    def backward_context(self, boundary: bool):
+        if not self.gradient_reduction:
+            raise RuntimeError(
+                "ZeRO stage 2 reduces gradients at every micro-step; gradient reduction cannot be switched off"
+            )
+        return contextlib.nullcontext()
+
+    def after_backward(self, boundary: bool) -> None:
+        self.bucketer.flush()
+        self.accumulated = True
+
+    def _take_bucket(self) -> torch.Tensor:
+        if self._free:
+            return self._free.pop()
+        # One bucket holds a unit's gradients plus a shard-sized landing area for accumulation.
+        shard = max(u.shard for u in self.units)
+        return self.allocator.empty(self._bucket_numel + shard, self.comm_dtype, "bucket")
+
+    def _launch(self, unit: int):
+        u = self.units[unit]
+        bucket = self._take_bucket()
+        flat = bucket[: u.padded]
+        for slot, p in zip(u.slots, self.unit_params[unit]):
+            view = flat[slot.offset : slot.offset + slot.numel]
+            if p.grad is None:
+                view.zero_()  # unused in this forward
+            else:
+                view.copy_(p.grad.reshape(-1))
+                p.grad = None
+        flat[u.numel :].zero_()
+        target = bucket[self._bucket_numel : self._bucket_numel + u.shard] if self.accumulated else self.grad_shards[unit]
+        self._launched[unit] = (bucket, target)
+        if self.comm.world_size == 1:
+            target.copy_(flat)
+            return None
+        return self.comm.reduce_scatter(target, flat, "avg", async_op=True)
+
+    def _finish(self, unit: int) -> None:
+        bucket, target = self._launched.pop(unit)
+        if target is not self.grad_shards[unit]:
+            self.grad_shards[unit].add_(target)
+        self._free.append(bucket)
+
+    def _grad_shards(self):
+        return self.grad_shards
+
+    def zero_grad(self) -> None:
+        for shard in self.grad_shards:
+            shard.zero_()
+        for params in self.unit_params:
+            for p in params:
+                p.grad = None
+        self.accumulated = False
