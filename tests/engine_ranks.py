@@ -86,7 +86,10 @@ def reference(steps: int, gas: int, world: int, micro: int = 2, clip: float = 0.
 
 
 def params_of(engine) -> list[torch.Tensor]:
-    return [p.detach().float().clone() for p in engine.module.parameters()]
+    from zkit.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):  # stage 3: gather first
+        return [p.detach().float().clone() for p in engine.module.parameters()]
 
 
 def stage_matrix(cases: list[tuple[int, str, int]], steps: int = 3) -> dict:
@@ -152,3 +155,149 @@ def resume(path: str, stage: int, dtype: str = "fp32", gas: int = 1) -> dict:
     steps = engine.global_steps
     losses = train_engine(engine, 2, gas, world, start=2)
     return {"losses": losses, "params": params_of(engine), "client": client, "steps": steps, "lr": engine.get_lr()}
+
+
+def stage3_matrix(cases: list[tuple[str, int]], steps: int = 3, persistence: int = 0) -> dict:
+    """Stage 3 (every unit released unless ``persistence``) for each (dtype, gas)."""
+    world = torch.distributed.get_world_size()
+    out = {}
+    for dtype, gas in cases:
+        cfg = config(3, dtype, gas, world)
+        cfg["zero_optimization"].update(stage3_param_persistence_threshold=persistence, stage3_prefetch_bucket_size=100)
+        engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+        losses = train_engine(engine, steps, gas, world)
+        params = params_of(engine)
+        out[(dtype, gas)] = (params, losses, engine.comm_stats(), engine.memory())
+        engine.close()
+    return out
+
+
+def stage3_user_code() -> dict:
+    """Released parameters: a clear error outside the engine; GatheredParameters reads and edits."""
+    from zkit.zero import GatheredParameters
+
+    world = torch.distributed.get_world_size()
+    cfg = config(3, "fp32", 1, world)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+    weight = engine.module.mix.weight
+    out = {"shape": tuple(weight.shape)}
+    try:
+        weight.sum()
+    except RuntimeError as exc:
+        out["error"] = str(exc)
+    with GatheredParameters([weight], modifier_rank=0):
+        out["gathered_sum"] = float(weight.sum())
+        if engine.rank == 0:
+            with torch.no_grad():
+                weight.fill_(0.5)
+    with GatheredParameters([weight]):
+        out["after_edit"] = float(weight.sum())
+    # the edit reached the fp32 master too: one step of training starts from it
+    train_engine(engine, 1, 1, world)
+    with GatheredParameters([weight]):
+        out["after_step_mean"] = float(weight.mean())
+    return out
+
+
+def stage3_built_with_init(steps: int = 3) -> list[torch.Tensor]:
+    """A model constructed under zkit.zero.Init trains like one built whole."""
+    from zkit.zero import GatheredParameters, Init
+
+    world = torch.distributed.get_world_size()
+    cfg = config(3, "fp32", 1, world)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    with Init(config=cfg):
+        model = make_model()
+    sizes = [p.data.untyped_storage().nbytes() for p in model.parameters()]
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    train_engine(engine, steps, 1, world)
+    with GatheredParameters(list(engine.module.parameters())):
+        return [params_of(engine), sizes]
+
+
+def stage3_divergent_modules() -> str:
+    """Rank 1 skips a module: the first forward names where the ranks diverge."""
+    world = torch.distributed.get_world_size()
+    cfg = config(3, "fp32", 1, world)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+            self.c = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            x = self.a(x)
+            if torch.distributed.get_rank() == 0:
+                x = self.b(x)
+            return self.c(x).sum()
+
+    torch.manual_seed(0)
+    engine, *_ = zkit.initialize(model=Branchy(), config=cfg)
+    try:
+        engine(torch.randn(2, 4))
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def rank_and_world() -> tuple[int, int]:
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+
+def fail_on_rank_one() -> None:
+    if torch.distributed.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    torch.distributed.barrier()  # rank 0 would wait here forever without the harness
+
+
+def hang() -> None:
+    import time
+
+    time.sleep(3600)
+
+
+def diverged_collectives() -> str:
+    """Rank 0 all-reduces in the optimizer step while rank 1 waits for a message in backward."""
+    from zkit import diagnostics
+    from zkit.builtin.comm_torch import TorchCommunicator
+
+    class Cfg:
+        comms_timeout_s = 3.0
+
+    comm = TorchCommunicator(None, Cfg())
+    t = torch.ones(4)
+    try:
+        if comm.rank == 0:
+            with diagnostics.phase("optimizer.step"):
+                comm.all_reduce(t)
+        else:
+            with diagnostics.phase("backward of 'layers.3.mlp'"):
+                comm.recv(t, src=0)
+    except diagnostics.CollectiveFailed as exc:
+        return str(exc)
+    return "no error"
+
+
+def rank_skips_collectives() -> str:
+    """Rank 1 stops taking part (stuck in its own computation); rank 0's backward reduction
+    ends at the timeout with a report instead of hanging."""
+    import time
+
+    from zkit import diagnostics
+
+    world = torch.distributed.get_world_size()
+    cfg = config(0, "fp32", 1, world, comms_timeout_s=3.0)
+    engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+    train_engine(engine, 1, 1, world)
+    if engine.rank == 1:
+        time.sleep(12)
+        return "rank 1 slept"
+    try:
+        train_engine(engine, 1, 1, world, start=1)
+    except diagnostics.CollectiveFailed as exc:
+        return str(exc)
+    return "no error"

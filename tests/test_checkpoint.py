@@ -33,7 +33,7 @@ def test_resume_same_world_and_stage_is_bit_exact(tmp_path, stage):
 
 @pytest.mark.parametrize(
     "save_world,save_stage,load_world,load_stage",
-    [(2, 2, 1, 0), (2, 1, 4, 2), (4, 2, 2, 1)],
+    [(2, 2, 1, 0), (2, 1, 4, 2), (4, 2, 2, 1), (2, 3, 1, 0), (2, 0, 4, 3)],
 )
 def test_reshard_at_load_continues_the_same_training(tmp_path, save_world, save_stage, load_world, load_stage):
     """Saved at N ranks / stage k, loaded at M ranks / stage j: the same global batches give the

@@ -1,8 +1,10 @@
-"""The ``zkit`` command: ``run`` (torchrun), ``plugins``, ``report``.
+"""The ``zkit`` command: ``run`` (torchrun), ``consolidate``, ``plugins``, ``report``, ``estimate``.
 
     zkit run --nproc 2 train.py --my-arg 1        # launch ranks with torch.distributed's own launcher
     zkit -p no:offload plugins                    # block a plugin, list what every family offers
     zkit report                                   # versions, backends, kernels, plugins
+    zkit consolidate ckpt model.safetensors       # a sharded checkpoint as one state dict
+    zkit estimate --preset gpt2-350m --batch 8    # per-rank memory of every stage/offload/dtype
 """
 from __future__ import annotations
 
@@ -46,8 +48,30 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
+    cons = sub.add_parser("consolidate", help="write a sharded checkpoint as one state dict (.pt, .bin or .safetensors)")
+    cons.add_argument("checkpoint", help="the directory given to save_checkpoint, or one tag's directory")
+    cons.add_argument("out", help="output file: .pt or .bin (torch.load) or .safetensors")
+    cons.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
+    cons.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
+                      help="dtype of floating-point tensors in the output (default: fp32)")
+
     sub.add_parser("plugins", help="list every family's records with their distributions")
     sub.add_parser("report", help="versions, backends, kernels and plugins of this environment")
+
+    est = sub.add_parser("estimate", help="per-rank memory for every ZeRO stage x offload x dtype x world size")
+    what = est.add_mutually_exclusive_group(required=True)
+    what.add_argument("--preset", help="a GPT preset (zkit.models.gpt.PRESETS), e.g. gpt2-350m")
+    what.add_argument("--params", type=float, help="a parameter count (accepts 7e9)")
+    what.add_argument("--model", help="MODULE:CALLABLE returning an nn.Module (built on the meta device)")
+    est.add_argument("--world-sizes", default="1,2,4,8", help="comma-separated (default 1,2,4,8)")
+    est.add_argument("--stages", default="0,1,2,3")
+    est.add_argument("--offload", default="none,cpu,cpu+params,nvme")
+    est.add_argument("--dtypes", default="fp32,fp16")
+    est.add_argument("--batch", type=int, default=None, help="micro-batch size for the activation estimate")
+    est.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
+    est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb, lion, adagrad, sgd-momentum, sgd")
+    est.add_argument("--reduce-bucket-size", type=float, default=5e8)
+    est.add_argument("--cpu", action="store_true", help="training on the CPU (host and device are one memory)")
     return p
 
 
@@ -61,6 +85,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.command == "run":
         return run(args)
+    if args.command == "consolidate":
+        return consolidate(args)
+    if args.command == "estimate":
+        print(estimate_text(args))
+        return 0
     if args.command == "plugins":
         print(plugins_text())
         return 0
@@ -92,6 +121,65 @@ def run(args: argparse.Namespace) -> int:
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
     torchrun.main([*targs, args.script, *script_args])
     return 0
+
+
+def consolidate(args: argparse.Namespace) -> int:
+    from zkit.checkpoint.consolidate import write_consolidated
+    from zkit.checkpoint.errors import CheckpointError
+
+    try:
+        done = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+    except (CheckpointError, ValueError) as exc:
+        raise SystemExit(f"zkit consolidate: {exc}") from None
+    tied = done.tensors - done.distinct
+    print(
+        f"wrote {done.path}: {done.tensors} tensors ({tied} tied aliases), {done.nbytes:,} bytes of tensor data "
+        f"({done.dtype}), file {done.path.stat().st_size:,} bytes, from {done.source}"
+    )
+    return 0
+
+
+def estimate_text(args: argparse.Namespace) -> str:
+    import importlib
+
+    import torch
+
+    from zkit.estimate import estimate_memory
+    from zkit.models.gpt import GPTConfig
+
+    def ints(text: str, option: str) -> tuple[int, ...]:
+        try:
+            return tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise SystemExit(f"zkit estimate: {option} takes comma-separated integers, got {text!r}") from None
+
+    options = dict(
+        world_sizes=ints(args.world_sizes, "--world-sizes"),
+        stages=ints(args.stages, "--stages"),
+        offloads=tuple(v.strip() for v in args.offload.split(",") if v.strip()),
+        dtypes=tuple(v.strip() for v in args.dtypes.split(",") if v.strip()),
+        batch=args.batch,
+        seq=args.seq,
+        optimizer=args.optimizer,
+        reduce_bucket_size=int(args.reduce_bucket_size),
+        accelerator=not args.cpu,
+    )
+    try:
+        if args.preset:
+            return estimate_memory(gpt_config=GPTConfig.preset(args.preset), **options).table()
+        if args.params is not None:
+            if args.params != int(args.params):
+                raise ValueError(f"--params must be a whole number, got {args.params}")
+            return estimate_memory(num_params=int(args.params), **options).table()
+        module_name, _, attr = args.model.partition(":")
+        if not attr:
+            raise ValueError(f"--model takes MODULE:CALLABLE, got {args.model!r}")
+        factory = getattr(importlib.import_module(module_name), attr)
+        with torch.device("meta"):
+            model = factory()
+        return estimate_memory(model, **options).table()
+    except (ValueError, TypeError, ImportError, AttributeError) as exc:
+        raise SystemExit(f"zkit estimate: {exc}") from None
 
 
 def plugins_text() -> str:

@@ -125,6 +125,9 @@ class Communicator(abc.ABC):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object per rank (small metadata only)."""
 
+    def close(self) -> None:
+        """Free what the communicator created (its own process group)."""
+
     @abc.abstractmethod
     def subgroup(self, ranks: Sequence[int]) -> "Communicator":
         """A communicator of the same kind over a subset of global ranks. Every rank of the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -21,9 +22,29 @@ def default_device() -> torch.device:
     return torch.device("cpu")
 
 
+def _record_uncaught_for_torchrun() -> None:
+    """Under torchrun, write an uncaught exception to the agent's error file, so the job's summary
+    names the failing rank and shows its traceback (what ``@record`` does, without decorating)."""
+    if not os.environ.get("TORCHELASTIC_ERROR_FILE") or getattr(sys, "_zkit_excepthook", False):
+        return
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    previous = sys.excepthook
+
+    def hook(exc_type, exc, tb):
+        try:
+            ErrorHandler().record_exception(exc)
+        finally:
+            previous(exc_type, exc, tb)
+
+    sys.excepthook = hook
+    sys._zkit_excepthook = True
+
+
 def ensure_initialized(timeout_s: float | None = None) -> None:
     """Initialise the default process group from torchrun's environment variables when the caller
     has not done so. Without them (a plain ``python train.py``) the world is this one process."""
+    _record_uncaught_for_torchrun()
     if dist.is_initialized():
         return
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None

@@ -19,7 +19,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from zkit import distributed
+from zkit import diagnostics, distributed
 from zkit.config import ZkitConfig, load_config
 from zkit.partition import PartitionContext, Partitioner
 from zkit.plugins import ZkitPluginManager, get_plugin_manager
@@ -28,6 +28,19 @@ from zkit.records import OptimizerRecord
 from zkit.stack import Stack, merge_plugin_stacks, resolve
 
 log = logging.getLogger("zkit")
+
+
+def _setup_logging(rank: int) -> None:
+    """Show zkit's step lines on rank 0 unless the application configured logging itself."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    from zkit.monitor import ProgressBarLogHandler
+
+    handler = ProgressBarLogHandler()  # keeps a live progress bar intact on a terminal
+    handler.setFormatter(logging.Formatter("[zkit] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
 
 
 def initialize(
@@ -105,6 +118,7 @@ class Engine(torch.nn.Module):
         self.comm = self.records["communicator"].factory(None, self.config)
         self.allocator = self.records["allocator"].factory(self.device, self.config)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        _setup_logging(self.rank)
 
         opt_record, opt_params = self._optimizer_choice(client_optimizer)
         self.partitioner: Partitioner = self.records["partitioner"].factory(
@@ -137,11 +151,16 @@ class Engine(torch.nn.Module):
         self._losses: list[torch.Tensor] = []
         self._step_started = time.perf_counter()
         self.tokens_per_sample: int | None = None  # set it to log tokens/s
+        #: compute the global gradient norm every step even without fp16 or clipping (for logging)
+        self.track_grad_norm = False
         self._closed = False
         from zkit.monitor import Monitor, ThroughputMeter
 
         self.monitor = Monitor(self.config, self.rank)
         self.throughput = ThroughputMeter()
+        from zkit import checkpointing
+
+        checkpointing.configure(self)  # the activation_checkpointing section applies to this engine
         self.pm.hook.zkit_engine_setup(engine=self)
 
     # -- construction helpers ----------------------------------------------------------------------
@@ -225,11 +244,25 @@ class Engine(torch.nn.Module):
         """This rank's memory: model-state bytes by purpose, and the process's RSS."""
         from zkit.monitor import memory_snapshot
 
-        return memory_snapshot(self.allocator.stats())
+        return memory_snapshot(self._memory_stats())
+
+    def _memory_stats(self) -> dict[str, dict[str, int]]:
+        """The allocator's per-purpose bytes plus the optimizer state (torch allocates that lazily,
+        outside the allocator)."""
+        stats = dict(self.allocator.stats())
+        state_bytes = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
+        stats["optim_state"] = {"live": state_bytes, "peak": max(state_bytes, stats.get("optim_state", {}).get("peak", 0))}
+        return stats
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.module(*args, **kwargs)
+        with diagnostics.phase("forward"), self.partitioner.forward_context():
+            return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -255,9 +288,10 @@ class Engine(torch.nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
-        with self.partitioner.backward_context(boundary):
-            scaled.backward(retain_graph=retain_graph)
-        self.partitioner.after_backward(boundary)
+        with diagnostics.phase("backward"):
+            with self.partitioner.backward_context(boundary):
+                scaled.backward(retain_graph=retain_graph)
+            self.partitioner.after_backward(boundary)
         self.pm.hook.zkit_after_backward(engine=self)
         return loss
 
@@ -268,15 +302,19 @@ class Engine(torch.nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
         if not boundary:
             return
-        self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
+        with diagnostics.phase("optimizer.step"):
+            self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
         self.global_steps += 1
         self._after_step()
 
     def apply_step(self) -> bool:
         """The optimizer step proper: global norm and overflow check, loss scale, clipping, the
         partitioner's step, the LR schedule. Returns False when the step was skipped."""
-        norm = float(self.partitioner.grad_norm())
-        overflow = not torch.isfinite(torch.tensor(norm)).item()
+        # The global norm costs a pass over the gradients and an all-reduce: only when fp16 needs
+        # its overflow check, clipping needs the norm, or the user asked for it.
+        needs_norm = self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
+        norm = float(self.partitioner.grad_norm()) if needs_norm else 0.0
+        overflow = needs_norm and not torch.isfinite(torch.tensor(norm)).item()
         scale = self.loss_scaler.scale  # the scale this batch's gradients carry (1.0 unless fp16)
         if self.loss_scaler.enabled:
             self.loss_scaler.update(overflow, self.global_steps + 1)
@@ -296,7 +334,7 @@ class Engine(torch.nn.Module):
         clip = self.config.gradient_clipping
         if clip > 0 and true_norm > clip:
             factor *= clip / (true_norm + 1e-6)
-        self._grad_norm = true_norm
+        self._grad_norm = true_norm if needs_norm else None
         self.partitioner.step(factor)
         self.partitioner.zero_grad()
         if self.lr_scheduler is not None:
@@ -340,13 +378,14 @@ class Engine(torch.nn.Module):
     def _log_step(self, loss: float) -> None:
         from zkit.monitor import format_step_line, memory_snapshot
 
-        mem = memory_snapshot(self.allocator.stats())
+        mem = memory_snapshot(self._memory_stats())
         all_mem = self.comm.all_gather_object(mem) if self.world_size > 1 else [mem]
         metrics = {
             "loss": loss,
             "lr": self.get_lr()[0] if self.optimizer.param_groups else 0.0,
             **self.throughput.metrics(),
             "rss_per_rank": [m.get("rss_bytes", 0) for m in all_mem],
+            "total_steps": getattr(self.lr_scheduler, "total_num_steps", None),
         }
         if self.loss_scaler.enabled:
             metrics["loss_scale"] = self.loss_scaler.scale
@@ -362,7 +401,8 @@ class Engine(torch.nn.Module):
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True) -> str:
         from zkit.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+        with diagnostics.phase("save_checkpoint"):
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
 
     def load_checkpoint(
         self,
@@ -375,12 +415,19 @@ class Engine(torch.nn.Module):
     ) -> tuple[str | None, dict]:
         from zkit.checkpoint import load_checkpoint
 
+        with diagnostics.phase("load_checkpoint"):
+            return self._load(load_dir, tag, load_optimizer_states and not load_module_only,
+                              load_lr_scheduler_states and not load_module_only)
+
+    def _load(self, load_dir: str, tag: str | None, optimizer_states: bool, lr_states: bool) -> tuple[str | None, dict]:
+        from zkit.checkpoint import load_checkpoint
+
         return load_checkpoint(
             self,
             load_dir,
             tag=tag,
-            load_optimizer_states=load_optimizer_states and not load_module_only,
-            load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only,
+            load_optimizer_states=optimizer_states,
+            load_lr_scheduler_states=lr_states,
         )
 
     def close(self) -> None:
@@ -391,6 +438,7 @@ class Engine(torch.nn.Module):
         self.pm.hook.zkit_engine_close(engine=self)
         self.monitor.close()
         self.partitioner.close()
+        self.comm.close()
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:

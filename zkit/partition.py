@@ -79,7 +79,11 @@ class Partitioner(abc.ABC):
         self.allocator = ctx.allocator
         self.optimizer: torch.optim.Optimizer  # set by subclasses
 
-    # -- backward ------------------------------------------------------------------------------
+    # -- forward / backward ----------------------------------------------------------------------
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Context the engine runs the module's forward in (stage 3 gathers parameters there)."""
+        return contextlib.nullcontext()
+
     def backward_context(self, boundary: bool) -> contextlib.AbstractContextManager:
         """Context the engine runs ``loss.backward()`` in; ``boundary`` says whether this is the
         last micro-step before an optimizer step (when gradients must be reduced)."""

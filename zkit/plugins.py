@@ -28,8 +28,6 @@ ENTRY_POINT_GROUP = "zkit"
 #: Names that zkit knows a separate distribution provides, so that "unknown" can say what to install.
 KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("optimizer", "onebitadam"): "zkit-onebit",
-    ("optimizer", "zerooneadam"): "zkit-onebit",
-    ("optimizer", "onebitlamb"): "zkit-onebit",
     ("communicator", "onebit"): "zkit-onebit",
     ("optimizer", "cpu_adam"): "zkit-offload",
     ("optimizer", "cpu_adamw"): "zkit-offload",
@@ -38,6 +36,8 @@ KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("attention", "block_sparse"): "zkit-sparse",
     ("scheduler", "1f1b"): "zkit-pipeline",
     ("scheduler", "gpipe"): "zkit-pipeline",
+    ("scheduler", "interleaved_1f1b"): "zkit-pipeline",
+    ("scheduler", "zb_h1"): "zkit-pipeline",
 }
 
 

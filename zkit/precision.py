@@ -97,10 +97,19 @@ class LossScaler:
 
 
 def cast_model(module: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """Move the module to ``device`` and its floating-point parameters and buffers to ``dtype``."""
-    module.to(device)
-    if dtype != torch.float32:
-        for t in list(module.parameters()) + list(module.buffers()):
-            if t.is_floating_point():
-                t.data = t.data.to(dtype)
+    """Move the module's parameters and buffers to ``device`` and the floating-point ones to
+    ``dtype``. Parameters already partitioned (built under ``zkit.zero.Init``) are left to the
+    partitioner, which moves their shards."""
+    with torch.no_grad():
+        for m in module.modules():
+            for p in m._parameters.values():
+                if p is None or hasattr(p, "_zkit_unit"):
+                    continue
+                target = dtype if p.is_floating_point() and dtype != torch.float32 else p.dtype
+                if p.device != device or p.dtype != target:
+                    p.data = p.data.to(device=device, dtype=target)
+            for name, b in m._buffers.items():
+                if b is not None:
+                    target = dtype if b.is_floating_point() and dtype != torch.float32 else b.dtype
+                    m._buffers[name] = b.to(device=device, dtype=target)
     return module

@@ -70,11 +70,29 @@ class OptimizerRecord(Record):
     dicts in torch's format. The partitioner hands the optimizer *its own shard* of every parameter,
     so the record must say what the optimizer keeps per parameter:
 
-    * ``state_names``: the per-parameter state tensors shaped like the parameter (Adam:
-      ``("exp_avg", "exp_avg_sq")``); a checkpoint stores and reshards exactly these.
+    * ``state_names``: the per-parameter state tensors shaped like the parameter that the optimizer
+      *may* keep (Adam: ``("exp_avg", "exp_avg_sq", "max_exp_avg_sq")``); any may be absent (before
+      the first step, or when an option is off). Checkpoints reshard these element by element.
     * ``elementwise``: True when the update of each element depends only on that element (Adam,
-      SGD). A non-elementwise optimizer (LAMB's trust ratio needs whole-parameter norms) is given
-      whole parameters or the partitioner refuses it with a clear error.
+      SGD). A non-elementwise optimizer (LAMB's trust ratio needs whole-parameter norms) steps on
+      shards only if it defines the shard-norm protocol below; otherwise a partitioner that shards
+      states over more than one rank refuses it with a clear error.
+
+    Shard-norm protocol. A non-elementwise optimizer may define
+    ``set_shard_norms(param_index: list[int], num_params: int, all_reduce: Callable[[Tensor], None])``,
+    which the partitioner calls once, right after building it over shards:
+
+    * ``param_index[i]`` is the model parameter (``0 .. num_params - 1``, numbered identically on
+      every rank) that the optimizer's ``i``-th parameter, counted over ``param_groups`` in order,
+      is a piece of. A rank owning nothing holds one empty placeholder that never has a gradient.
+    * ``all_reduce(t)`` sums ``t`` in place over the data-parallel ranks.
+    * From then on, ``step()`` computes each per-parameter norm as per-piece partial sums of squares
+      scatter-added (``index_add``) into one ``[k, num_params]`` tensor (``k`` norms per parameter:
+      2 for LAMB, weight and update), all-reduces it once, takes the square root and reads each
+      piece's whole-parameter norms back. Pieces of one parameter on one rank add up; a rank
+      without a piece contributes zeros.
+    * Every rank calls ``step()`` every step, and the optimizer issues the same collectives in the
+      same order on every rank, whatever it holds (no early return before the all-reduce).
     * ``devices``: device types the optimizer can step on (``"cpu"``, ``"cuda"``).
     """
 

@@ -63,6 +63,25 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, threads, env, results) 
         results.put((rank, False, traceback.format_exc()))
 
 
+# A rank whose peer died fails inside a collective with one of these; it is a consequence, not the cause.
+_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
+
+
+def _failure_report(name: str, failures: dict[int, str], results: Any, grace: float = 3.0) -> str:
+    """Collect the other ranks' failures for a moment and put the root cause first."""
+    deadline = time.monotonic() + grace
+    while time.monotonic() < deadline:
+        try:
+            rank, ok, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        if not ok:
+            failures[rank] = value
+    ordered = sorted(failures, key=lambda r: (any(s in failures[r] for s in _SECONDARY), r))
+    parts = [f"rank {r} of {name} failed:\n{failures[r]}" for r in ordered]
+    return "\n".join(parts)
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -112,7 +131,7 @@ def run_ranks(
                         ) from None
                 continue
             if not ok:
-                raise RanksFailed(f"rank {rank} of {fn.__name__} failed:\n{value}")
+                raise RanksFailed(_failure_report(fn.__name__, {rank: value}, results))
             out[rank] = pickle.loads(value)
     finally:
         for p in procs:

@@ -1,5 +1,7 @@
-"""Convergence: the byte-level GPT on the example corpus, Adam vs 1-bit Adam (15% warm-up) vs Adam
-over the ``onebit`` gradient-compression communicator, on gloo ranks over loopback.
+"""Convergence on the example corpus (next-byte prediction), Adam vs 1-bit Adam (15% warm-up) vs
+Adam over the ``onebit`` gradient-compression communicator, on gloo ranks over loopback. Models: the
+repo's byte-level GPT (``--model gpt``, preset ``--preset``) or a byte-level MLP language model
+(``--model mlp``: the previous 16 bytes, embedded, through a 2-layer MLP).
 
 Every run sees the same batches in the same order. Reports the final training loss (mean of the
 last 10% of steps) and the validation loss of each, relative to Adam's, and writes the curves as
@@ -18,7 +20,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_onebit_common import CORPUS, config_for, lm_loss, train_steps, write_csv  # noqa: E402
 
 
-def run(name: str, steps: int, warmup: int, preset: str, micro_batch: int, lr: float) -> dict:
+def byte_mlp(context: int = 16, dim: int = 32, hidden: int = 512):
+    """Next byte from the previous ``context`` bytes: embedding, 2-layer MLP."""
+    import torch
+    from torch import nn
+
+    class ByteMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(256, dim)
+            self.mlp = nn.Sequential(nn.Linear(context * dim, hidden), nn.GELU(), nn.Linear(hidden, 256))
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            logits = self.mlp(self.embed(input_ids[:, -context:]).flatten(1))
+            return nn.functional.cross_entropy(logits.float(), labels[:, -1])
+
+    return ByteMLP()
+
+
+def run(name: str, steps: int, warmup: int, preset: str, micro_batch: int, lr: float, kind: str = "gpt") -> dict:
     import torch
     import torch.distributed as dist
 
@@ -27,10 +47,13 @@ def run(name: str, steps: int, warmup: int, preset: str, micro_batch: int, lr: f
     from zkit.models.gpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    cfg = GPTConfig.preset(preset)
-    model = GPT(cfg)
-    train = ByteTextDataset(CORPUS, cfg.seq_len)
-    val = ByteTextDataset(CORPUS, cfg.seq_len, split="val")
+    if kind == "gpt":
+        cfg = GPTConfig.preset(preset)
+        model, seq_len = GPT(cfg), cfg.seq_len
+    else:
+        model, seq_len = byte_mlp(), 16
+    train = ByteTextDataset(CORPUS, seq_len)
+    val = ByteTextDataset(CORPUS, seq_len, split="val")
     rank, world = dist.get_rank(), dist.get_world_size()
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(1))
 
@@ -47,7 +70,7 @@ def run(name: str, steps: int, warmup: int, preset: str, micro_batch: int, lr: f
     rows = train_steps(engine, batches, steps, lm_loss)
     engine.eval()
     with torch.no_grad():
-        idx = range(rank, min(len(val), 64 * world), world)
+        idx = range(rank, min(len(val), 512 * world), world)
         xs, ys = zip(*(val[i] for i in idx))
         val_loss = engine(torch.stack(xs), labels=torch.stack(ys)).detach()
     dist.all_reduce(val_loss)
@@ -60,7 +83,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--warmup-fraction", type=float, default=0.15)
     ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--model", choices=["gpt", "mlp"], default="gpt")
+    ap.add_argument("--preset", default="tiny", help="GPT preset")
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--out", default="runs/bench_onebit")
@@ -70,19 +94,20 @@ def main() -> None:
     warmup = max(1, round(args.steps * args.warmup_fraction))
     names = ["adam", "onebitadam", "adam+onebit-comm"]
     results = {
-        n: run_ranks(run, args.world, args=(n, args.steps, warmup, args.preset, args.micro_batch, args.lr),
-                     timeout=3600)[0]
+        n: run_ranks(run, args.world, args=(n, args.steps, warmup, args.preset, args.micro_batch, args.lr,
+                                             args.model), timeout=3600)[0]
         for n in names
     }
     curve = [
         {"step": i + 1, **{f"loss_{n}": results[n]["rows"][i]["loss"] for n in names}}
         for i in range(args.steps)
     ]
-    write_csv(f"{args.out}/convergence.csv", curve)
+    write_csv(f"{args.out}/convergence_{args.model}.csv", curve)
     tail = max(1, args.steps // 10)
     final = {n: sum(r["loss"] for r in results[n]["rows"][-tail:]) / tail for n in names}
     mb = {n: sum(r["bytes"] for r in results[n]["rows"]) / 1e6 for n in names}
-    print(f"GPT {args.preset}, {args.world} ranks, {args.steps} steps, 1-bit Adam warm-up {warmup} steps")
+    model = f"GPT {args.preset}" if args.model == "gpt" else "byte MLP"
+    print(f"{model}, {args.world} ranks, {args.steps} steps, 1-bit Adam warm-up {warmup} steps")
     print("| run | final train loss | vs Adam | val loss | vs Adam | MB sent per rank (whole run) |")
     print("|---|---|---|---|---|---|")
     for n in names:
@@ -104,7 +129,7 @@ def main() -> None:
     ax.set_ylabel("training loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(f"{args.out}/convergence.png", dpi=120)
+    fig.savefig(f"{args.out}/convergence_{args.model}.png", dpi=120)
 
 
 if __name__ == "__main__":

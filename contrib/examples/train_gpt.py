@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=DEFAULT_CONFIG, help="DeepSpeed-style JSON config")
     p.add_argument("--steps", type=int, default=200, help="optimizer steps (the LR schedule spans them)")
-    p.add_argument("--preset", default="small", choices=sorted(PRESETS), help="model size")
+    p.add_argument("--preset", default="mini", choices=sorted(PRESETS), help="model size")
     p.add_argument("--seq-len", type=int, default=None, help="context length (default: the preset's)")
     p.add_argument("--attention", default="dense", help="attention implementation (dense, block_sparse, ...)")
     p.add_argument("--data", default=DEFAULT_DATA, help="text corpus (.txt or .txt.gz)")

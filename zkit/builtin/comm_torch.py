@@ -2,12 +2,14 @@
 counters. Other communicators (1-bit compression) wrap or subclass this one."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
 import zkit
+from zkit import diagnostics
 from zkit.comm import Communicator, DoneHandle, check_op
 from zkit.records import CommunicatorRecord
 
@@ -31,10 +33,29 @@ class _AvgHandle:
             self.work = None
 
 
+class _Watched:
+    """A handle whose failure (timeout, lost peer) becomes a cross-rank report."""
+
+    def __init__(self, inner: Any, comm: "TorchCommunicator") -> None:
+        self.inner, self.comm = inner, comm
+
+    def wait(self) -> None:
+        with self.comm.watch():
+            self.inner.wait()
+
+
 class TorchCommunicator(Communicator):
-    """torch.distributed over one process group (``None`` = the default group)."""
+    """torch.distributed over one process group (``None`` = the default group).
+
+    With a collective timeout (``comms_timeout_s``, ``ZKIT_COMMS_TIMEOUT_S``) the communicator runs
+    on its own group with that timeout, and a collective that fails raises
+    :class:`zkit.diagnostics.CollectiveFailed` with every rank's last fingerprints."""
 
     def __init__(self, group: Any = None, config: Any = None) -> None:
+        timeout = diagnostics.timeout_seconds(config)
+        self._own_group = None
+        if group is None and timeout and dist.get_world_size() > 1:
+            group = self._own_group = dist.new_group(timeout=diagnostics.as_timedelta(timeout))
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.backend = dist.get_backend(group)
@@ -42,9 +63,33 @@ class TorchCommunicator(Communicator):
         self._global_ranks = (
             list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
         )
+        name = "world" if len(self._global_ranks) == dist.get_world_size() else ",".join(map(str, self._global_ranks))
+        self.fingerprints = diagnostics.FingerprintLog(name)
+
+    @contextlib.contextmanager
+    def watch(self) -> Iterator[None]:
+        """Turn a failing collective into a :class:`zkit.diagnostics.CollectiveFailed` report."""
+        try:
+            yield
+        except diagnostics.CollectiveFailed:
+            raise
+        except RuntimeError as exc:
+            try:
+                store = dist.distributed_c10d._get_default_store()
+            except Exception:  # no store: report this rank alone
+                store = None
+            raise diagnostics.CollectiveFailed(
+                diagnostics.report(self.fingerprints, dist.get_rank(), self._global_ranks, exc, store)
+            ) from exc
+
+    def close(self) -> None:
+        if self._own_group is not None:
+            dist.destroy_process_group(self._own_group)
+            self._own_group = None
 
     def _finish(self, work, async_op: bool, post=None):
         handle = post(work) if post else work
+        handle = _Watched(handle, self) if handle is not None else None
         if async_op:
             return handle if handle is not None else DoneHandle()
         if handle is not None:
@@ -63,6 +108,7 @@ class TorchCommunicator(Communicator):
 
     def all_reduce(self, tensor, op="sum", async_op=False):
         self.account("all_reduce", self.ring_bytes("all_reduce", _nbytes(tensor)))
+        self.fingerprints.record("all_reduce", tensor)
         if self.world_size == 1:
             return DoneHandle() if async_op else None
         work, post = self._reduce(
@@ -73,6 +119,7 @@ class TorchCommunicator(Communicator):
     def reduce_scatter(self, output, input, op="sum", async_op=False):
         _check_sizes("reduce_scatter", output, input, self.world_size)
         self.account("reduce_scatter", self.ring_bytes("reduce_scatter", _nbytes(input)))
+        self.fingerprints.record("reduce_scatter", input)
         if self.world_size == 1:
             output.copy_(input)
             return DoneHandle() if async_op else None
@@ -86,6 +133,7 @@ class TorchCommunicator(Communicator):
     def all_gather(self, output, input, async_op=False):
         _check_sizes("all_gather", input, output, self.world_size)
         self.account("all_gather", self.ring_bytes("all_gather", _nbytes(output)))
+        self.fingerprints.record("all_gather", output)
         if self.world_size == 1:
             output.copy_(input)
             return DoneHandle() if async_op else None
@@ -99,6 +147,7 @@ class TorchCommunicator(Communicator):
                 f"{self.world_size}; got {input.numel()} and {output.numel()}"
             )
         self.account("all_to_all", self.ring_bytes("all_to_all", _nbytes(input)))
+        self.fingerprints.record("all_to_all", input)
         if self.world_size == 1:
             output.copy_(input)
             return DoneHandle() if async_op else None
@@ -107,6 +156,7 @@ class TorchCommunicator(Communicator):
 
     def broadcast(self, tensor, src, async_op=False):
         self.account("broadcast", _nbytes(tensor) if dist.get_rank() == src else 0)
+        self.fingerprints.record("broadcast", tensor)
         if self.world_size == 1:
             return DoneHandle() if async_op else None
         work = dist.broadcast(tensor, src=src, group=self.group, async_op=True)
@@ -114,21 +164,29 @@ class TorchCommunicator(Communicator):
 
     def send(self, tensor, dst):
         self.account("send", _nbytes(tensor))
-        dist.send(tensor, dst=dst, group=self.group)
+        self.fingerprints.record("send", tensor)
+        with self.watch():
+            dist.send(tensor, dst=dst, group=self.group)
 
     def recv(self, tensor, src):
         self.account("recv", 0)
-        dist.recv(tensor, src=src, group=self.group)
+        self.fingerprints.record("recv", tensor)
+        with self.watch():
+            dist.recv(tensor, src=src, group=self.group)
 
     def barrier(self):
+        self.fingerprints.record("barrier")
         if self.world_size > 1:
-            dist.barrier(group=self.group)
+            with self.watch():
+                dist.barrier(group=self.group)
 
     def all_gather_object(self, obj):
         out: list[Any] = [None] * self.world_size
+        self.fingerprints.record("all_gather_object")
         if self.world_size == 1:
             return [obj]
-        dist.all_gather_object(out, obj, group=self.group)
+        with self.watch():
+            dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def subgroup(self, ranks: Sequence[int]) -> "TorchCommunicator":

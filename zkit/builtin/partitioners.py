@@ -6,6 +6,7 @@ from zkit.records import PartitionerRecord
 from zkit.zero.stage0 import Stage0
 from zkit.zero.stage1 import Stage1
 from zkit.zero.stage2 import Stage2
+from zkit.zero.stage3 import Stage3
 
 
 @zkit.hookimpl(trylast=True)
@@ -30,4 +31,11 @@ def zkit_register_partitioners():
         factory=Stage2,
         aliases=("stage2",),
         description="ZeRO-2: optimizer states and gradients partitioned",
+    )
+    yield PartitionerRecord(
+        name="zero3",
+        stage=3,
+        factory=Stage3,
+        aliases=("stage3",),
+        description="ZeRO-3: optimizer states, gradients and parameters partitioned",
     )

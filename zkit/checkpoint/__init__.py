@@ -9,8 +9,9 @@ online). Files are written to temporaries and renamed; the tag directory is rena
 whole; ``latest`` is written last: a crash mid-save leaves the previous checkpoint intact. Loading
 uses ``torch.load(weights_only=True)``.
 """
+from zkit.checkpoint.consolidate import consolidate
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.load import load_checkpoint
 from zkit.checkpoint.save import save_checkpoint
 
-__all__ = ["CheckpointError", "load_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointError", "consolidate", "load_checkpoint", "save_checkpoint"]

@@ -29,6 +29,19 @@ def module_extras(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def tensor_aliases(module: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for every parameter or buffer reachable under more than one name (tied
+    weights); the canonical name is the first, the one the checkpoint stores the tensor under."""
+    aliases: dict[str, str] = {}
+    for named in (module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)):
+        first: dict[int, str] = {}
+        for name, tensor in named:
+            canonical = first.setdefault(id(tensor), name)
+            if canonical != name:
+                aliases[name] = canonical
+    return aliases
+
+
 def _check_client_state(client_state: dict) -> None:
     import io
 
@@ -102,6 +115,10 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
             "loss_scaler": engine.loss_scaler.state_dict(),
             "params": {name: list(p.shape) for name, p in part.named_trainable()},
             "index": {rank_file(r): entries for r, entries in enumerate(index)},
+            # What a consolidated state dict needs beyond the pieces and module extras: every key
+            # model.state_dict() has (persistent buffers only) and the tied names among them.
+            "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
+            "aliases": tensor_aliases(engine.module),
         }
         write_meta(staging / META, meta)
         old = root / f".{tag}.old"

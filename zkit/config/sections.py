@@ -98,7 +98,7 @@ class ActivationCheckpointingConfig:
         False, doc="Split checkpointed activations across model-parallel ranks."
     )
     cpu_checkpointing: bool = setting(
-        False, doc="Keep checkpointed activations in host memory (needs partition_activations)."
+        False, doc="Keep checkpointed activations in host memory."
     )
     contiguous_memory_optimization: bool = setting(
         False, doc="Copy checkpointed activations into one preallocated buffer."

@@ -83,10 +83,12 @@ class GPTConfig:
         return v * d + self.seq_len * d + self.n_layer * per_block + 2 * d + head
 
 
-#: Named sizes. Byte-level (vocab 256) ones train on the example corpus; the others match common
-#: benchmark shapes (``medium``: 27M, the GPT-2 family: vocab 50257, 1024 positions).
+#: Named sizes. Byte-level (vocab 256) ones train on the example corpus: ``tiny`` (0.18M) for
+#: tests, ``mini`` (1.4M) for the two-process CPU demo, ``small`` (4.8M). The others match common
+#: benchmark shapes (``medium``: 23M, the GPT-2 family: vocab 50257, 1024 positions).
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(vocab_size=256, seq_len=64, n_layer=2, n_head=4, d_model=80),
+    "mini": dict(vocab_size=256, seq_len=128, n_layer=3, n_head=6, d_model=192),
     "small": dict(vocab_size=256, seq_len=128, n_layer=6, n_head=8, d_model=256),
     "medium": dict(vocab_size=8192, seq_len=128, n_layer=6, n_head=8, d_model=512),
     "gpt2-124m": dict(vocab_size=50257, seq_len=1024, n_layer=12, n_head=12, d_model=768),

@@ -16,18 +16,34 @@ The bias correction divides the moments themselves (the paper's Algorithm 2, and
 kernel since it stopped folding ``sqrt(1 - b2^t) / (1 - b1^t)`` into the step size, which scaled
 the already trust-ratio-normalised update). ``max_grad_norm > 0`` first scales the group's
 gradients by ``max_grad_norm / (norm + 1e-6)`` when that is below 1, as ``FusedLamb`` does.
+
+Under ZeRO each rank holds *pieces* of parameters. After :meth:`Lamb.set_shard_norms` the norms are
+assembled across ranks: every piece's sums of squares are scatter-added into a ``[2, num_params]``
+tensor (rows: weight, update), one all-reduce sums it over the ranks, and each piece reads back the
+norms of its whole parameter. The result equals LAMB on unsharded parameters.
 """
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable
+import operator
+from typing import Any, Callable, Iterable, Sequence
 
+import attrs
 import torch
 
 from zkit.optim import params as check
 
 _OWNER = "optimizer 'lamb'"
 _FUSED_DEVICES = ("cpu", "cuda")
+
+
+@attrs.frozen
+class _ShardNorms:
+    """How this rank's parameters map onto the model's: see :meth:`Lamb.set_shard_norms`."""
+
+    index: tuple[int, ...]  # model parameter index of each optimizer parameter, param-group order
+    num_params: int
+    all_reduce: Callable[[torch.Tensor], None]
 
 
 class Lamb(torch.optim.Optimizer):
@@ -50,8 +66,8 @@ class Lamb(torch.optim.Optimizer):
             ``bias_correction=True``, ``eps_inside_sqrt=False``).
 
     The state per parameter is ``exp_avg``, ``exp_avg_sq`` (shaped like the parameter) and
-    ``step`` (a CPU scalar tensor). The trust ratio needs whole-parameter norms, so a sharded
-    engine must hand this optimizer whole parameters.
+    ``step`` (a CPU scalar tensor). The trust ratio needs whole-parameter norms: an engine that
+    hands this optimizer pieces of parameters calls :meth:`set_shard_norms` first.
     """
 
     def __init__(
@@ -95,6 +111,48 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._lamb_coeffs: list[tuple[int, list[tuple[list[int], torch.Tensor]]]] = []
         self._workspace: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+        self._shard: _ShardNorms | None = None
+
+    def set_shard_norms(
+        self,
+        param_index: Sequence[int],
+        num_params: int,
+        all_reduce: Callable[[torch.Tensor], None],
+    ) -> None:
+        """Step on pieces of parameters that are spread over data-parallel ranks.
+
+        ``param_index[i]`` is the index (``0 .. num_params - 1``, the same numbering on every
+        rank) of the model parameter that this optimizer's ``i``-th parameter, counted over
+        ``param_groups`` in order, is a piece of. ``all_reduce(t)`` sums ``t`` in place over the
+        ranks. From then on every :meth:`step` issues exactly one ``all_reduce`` of a
+        ``[2, num_params]`` tensor (whole-parameter squared norms of weight and update), even on
+        a rank with nothing to update, so every rank must call :meth:`step` every step. With
+        ``max_grad_norm > 0`` in any group and no ``grad_norms`` passed, one ``all_reduce`` of the
+        per-group squared gradient norms comes first: the clipped gradients feed the moments,
+        so that norm is needed before the update exists and cannot share its collective.
+        """
+        if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
+            raise ValueError(f"{_OWNER}: set_shard_norms needs num_params >= 1, got {num_params!r}")
+        if not callable(all_reduce):
+            raise TypeError(f"{_OWNER}: set_shard_norms needs a callable all_reduce, got {all_reduce!r}")
+        index = []
+        for i in param_index:
+            try:
+                i = operator.index(i)
+            except TypeError:
+                raise TypeError(f"{_OWNER}: set_shard_norms: parameter index {i!r} is not an integer") from None
+            if not 0 <= i < num_params:
+                raise ValueError(
+                    f"{_OWNER}: set_shard_norms: parameter index {i} is outside 0..{num_params - 1}"
+                )
+            index.append(int(i))
+        held = sum(len(g["params"]) for g in self.param_groups)
+        if len(index) != held:
+            raise ValueError(
+                f"{_OWNER}: set_shard_norms got {len(index)} parameter indices for the "
+                f"{held} parameters in param_groups"
+            )
+        self._shard = _ShardNorms(tuple(index), num_params, all_reduce)
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratios of the last step, one per parameter that had a gradient, in
@@ -126,14 +184,78 @@ class Lamb(torch.optim.Optimizer):
                 f"{_OWNER}: grad_norms has {len(grad_norms)} entries for {len(self.param_groups)} param groups"
             )
         self._lamb_coeffs = []
+        if getattr(self, "_shard", None) is not None:
+            self._step_sharded(self._shard, grad_norms)
+            return loss
         for i, group in enumerate(self.param_groups):
             self._step_group(group, None if grad_norms is None else grad_norms[i])
         return loss
 
     def _step_group(self, group: dict[str, Any], grad_norm: float | torch.Tensor | None) -> None:
-        params = [p for p in group["params"] if p.grad is not None]
+        params = self._prepare(group)
         if not params:
             return
+        buckets = _buckets(params)
+        clip = self._clip_factor(group, params, grad_norm)
+        scratch = self._scratch([[params[i] for i in idx] for idx in buckets])
+        parts = []
+        for idx, space in zip(buckets, scratch):
+            bucket = [params[i] for i in idx]
+            states = [self.state[p] for p in bucket]
+            neg_update = _neg_update(group, bucket, states, clip, space)
+            parts.append((idx, _apply(group, bucket, neg_update, _norms(bucket), _norms(neg_update))))
+        self._lamb_coeffs.append((len(params), parts))
+
+    def _step_sharded(self, shard: _ShardNorms, grad_norms: list[float | torch.Tensor] | None) -> None:
+        """The step on pieces: local partial sums, one all-reduce, whole-parameter norms back."""
+        flat = [p for g in self.param_groups for p in g["params"]]
+        if len(flat) != len(shard.index):
+            raise RuntimeError(
+                f"{_OWNER}: param_groups now hold {len(flat)} parameters but set_shard_norms mapped "
+                f"{len(shard.index)}; call set_shard_norms again after changing param_groups"
+            )
+        model_index = {id(p): shard.index[i] for i, p in enumerate(flat)}
+        home = flat[0].device
+        acc = _accumulation_dtype(home)
+        prepared = [(group, self._prepare(group)) for group in self.param_groups]
+
+        if grad_norms is None and any(g["max_grad_norm"] > 0 for g in self.param_groups):
+            # Each piece belongs to one group, so a group's squared norm is the sum over ranks.
+            sq = torch.zeros(len(prepared), dtype=acc, device=home)
+            for gi, (_, params) in enumerate(prepared):
+                for idx in _buckets(params):
+                    sq[gi] += _norms([params[i].grad for i in idx]).to(home, acc).square().sum()
+            shard.all_reduce(sq)
+            grad_norms = list(sq.sqrt_().unbind())
+
+        work = []  # (group index, positions in the group, bucket): every bucket of every group
+        clips = []
+        for gi, (group, params) in enumerate(prepared):
+            clips.append(self._clip_factor(group, params, None if grad_norms is None else grad_norms[gi]))
+            for idx in _buckets(params):
+                work.append((gi, idx, [params[i] for i in idx]))
+        # Every update direction is held until the norms are known: one scratch for all groups.
+        scratch = self._scratch([bucket for *_, bucket in work])
+        sums = torch.zeros(2, shard.num_params, dtype=acc, device=home)
+        updates = []
+        for (gi, idx, bucket), space in zip(work, scratch):
+            neg_update = _neg_update(prepared[gi][0], bucket, [self.state[p] for p in bucket], clips[gi], space)
+            where = torch.tensor([model_index[id(p)] for p in bucket]).to(home, non_blocking=True)
+            partial = torch.stack([_norms(bucket), _norms(neg_update)]).to(home, acc).square()
+            sums.index_add_(1, where, partial)  # pieces of one parameter add up
+            updates.append((neg_update, where))
+        shard.all_reduce(sums)  # on every rank, every step: a rank holding nothing sends zeros
+        norms = sums.sqrt_()
+
+        parts: list[list[tuple[list[int], torch.Tensor]]] = [[] for _ in prepared]
+        for (gi, idx, bucket), (neg_update, where) in zip(work, updates):
+            w_norm, u_norm = norms[:, where].to(bucket[0].device, _norm_dtype(bucket[0].dtype))
+            parts[gi].append((idx, _apply(prepared[gi][0], bucket, neg_update, w_norm, u_norm)))
+        self._lamb_coeffs = [(len(params), p) for (_, params), p in zip(prepared, parts) if params]
+
+    def _prepare(self, group: dict[str, Any]) -> list[torch.Tensor]:
+        """The group's parameters that have a gradient, checked, with their state created."""
+        params = [p for p in group["params"] if p.grad is not None]
         for p in params:
             if p.grad.is_sparse:
                 raise RuntimeError(f"{_OWNER} does not support sparse gradients")
@@ -144,33 +266,34 @@ class Lamb(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        return params
 
-        # Multi-tensor kernels need one device and dtype per list.
-        buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
-        for i, p in enumerate(params):
-            buckets[(p.device, p.dtype)].append(i)
-
-        clip = self._clip_factor(group, params, grad_norm)
-        parts = []
-        for idx in buckets.values():
-            bucket = [params[i] for i in idx]
-            states = [self.state[p] for p in bucket]
-            parts.append((idx, _step_bucket(group, bucket, states, clip, self._scratch(bucket))))
-        self._lamb_coeffs.append((len(params), parts))
-
-    def _scratch(self, params: list[torch.Tensor]) -> list[torch.Tensor] | None:
-        """Reusable per-step scratch shaped like ``params`` (CPU only). Fresh large host
-        allocations are page-faulted in on every step, which cost more than the step itself;
-        CUDA's caching allocator has no such cost, so CUDA scratch stays transient."""
-        p0 = params[0]
-        if p0.device.type != "cpu":
-            return None
-        total = sum(p.numel() for p in params)
-        key = (p0.device, p0.dtype)
-        buf = self._workspace.get(key)
-        if buf is None or buf.numel() < total:
-            buf = self._workspace[key] = torch.empty(total, dtype=p0.dtype, device=p0.device)
-        return [v.view_as(p) for v, p in zip(buf[:total].split([p.numel() for p in params]), params)]
+    def _scratch(self, buckets: list[list[torch.Tensor]]) -> list[list[torch.Tensor] | None]:
+        """Reusable scratch shaped like each bucket (CPU only), disjoint across the buckets of
+        one call. Fresh large host allocations are page-faulted in on every step, which cost
+        more than the step itself; CUDA's caching allocator has no such cost, so CUDA scratch
+        stays transient."""
+        totals: dict[tuple[torch.device, torch.dtype], int] = defaultdict(int)
+        for bucket in buckets:
+            if bucket[0].device.type == "cpu":
+                totals[(bucket[0].device, bucket[0].dtype)] += sum(p.numel() for p in bucket)
+        for (device, dtype), total in totals.items():
+            buf = self._workspace.get((device, dtype))
+            if buf is None or buf.numel() < total:
+                self._workspace[(device, dtype)] = torch.empty(total, dtype=dtype, device=device)
+        used: dict[tuple[torch.device, torch.dtype], int] = defaultdict(int)
+        out: list[list[torch.Tensor] | None] = []
+        for bucket in buckets:
+            key = (bucket[0].device, bucket[0].dtype)
+            if key not in totals:
+                out.append(None)
+                continue
+            sizes = [p.numel() for p in bucket]
+            start = used[key]
+            used[key] += sum(sizes)
+            views = self._workspace[key][start : used[key]].split(sizes)
+            out.append([v.view_as(p) for v, p in zip(views, bucket)])
+        return out
 
     @staticmethod
     def _clip_factor(group, params, grad_norm) -> torch.Tensor | None:
@@ -183,23 +306,38 @@ class Lamb(torch.optim.Optimizer):
             for p in params:
                 per_device[p.device].append(p.grad)
             home = params[0].device
-            sq = [_norms(g).square().sum().to(home, torch.float32 if home.type == "mps" else torch.float64)
-                  for g in per_device.values()]
+            sq = [_norms(g).square().sum().to(home, _accumulation_dtype(home)) for g in per_device.values()]
             grad_norm = torch.stack(sq).sum().sqrt()
         if not isinstance(grad_norm, torch.Tensor):
             grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
         return 1.0 / torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0)
 
 
+def _buckets(params: list[torch.Tensor]) -> list[list[int]]:
+    """Positions of ``params`` split by device and dtype: multi-tensor kernels need one of each per list."""
+    buckets: dict[tuple[torch.device, torch.dtype], list[int]] = defaultdict(list)
+    for i, p in enumerate(params):
+        buckets[(p.device, p.dtype)].append(i)
+    return list(buckets.values())
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _accumulation_dtype(device: torch.device) -> torch.dtype:
+    """Squared norms summed over pieces and ranks: fp64 where the device has it."""
+    return torch.float32 if device.type == "mps" else torch.float64
+
+
 def _norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of each tensor, stacked, accumulated in at least fp32 (one dtype per list)."""
-    acc = torch.promote_types(tensors[0].dtype, torch.float32)
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=acc))
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=_norm_dtype(tensors[0].dtype)))
 
 
-def _step_bucket(group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]],
-                 clip: torch.Tensor | None, scratch: list[torch.Tensor] | None) -> torch.Tensor:
-    """Update one device/dtype bucket of a group in place and return its trust ratios."""
+def _neg_update(group: dict[str, Any], params: list[torch.Tensor], states: list[dict[str, Any]],
+                clip: torch.Tensor | None, scratch: list[torch.Tensor] | None) -> list[torch.Tensor]:
+    """Advance the moments of one device/dtype bucket and return minus its update ``u``."""
     grads = [p.grad for p in params]
     if clip is not None:
         # Fresh tensors: p.grad stays as the caller left it.
@@ -221,8 +359,12 @@ def _step_bucket(group: dict[str, Any], params: list[torch.Tensor], states: list
         neg_update = _neg_adam_direction_foreach(group, grads, exp_avgs, exp_avg_sqs, ts, scratch)
     if group["weight_decay"] != 0:
         torch._foreach_add_(neg_update, params, alpha=-group["weight_decay"])
+    return neg_update
 
-    w_norm, u_norm = _norms(params), _norms(neg_update)
+
+def _apply(group: dict[str, Any], params: list[torch.Tensor], neg_update: list[torch.Tensor],
+           w_norm: torch.Tensor, u_norm: torch.Tensor) -> torch.Tensor:
+    """``p -= lr r u`` for one bucket, given the whole-parameter norms; returns the trust ratios."""
     ratio = torch.where(
         (w_norm > 0) & (u_norm > 0),
         (w_norm / u_norm).clamp(group["min_coeff"], group["max_coeff"]),

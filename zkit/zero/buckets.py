@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Sequence
 
+from zkit import diagnostics
 from zkit.comm import Handle
 
 
@@ -28,11 +29,13 @@ class GradientBucketer:
         launch: Callable[[int], Handle | None],
         finish: Callable[[int], None],
         max_in_flight: int = 0,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.sizes = list(params_per_unit)
         self.launch = launch
         self.finish = finish
         self.max_in_flight = max_in_flight
+        self.names = list(names) if names is not None else [f"unit {i}" for i in range(len(self.sizes))]
         self.pending: list[int] = []
         self.next = 0
         self.in_flight: deque[tuple[int, Any]] = deque()
@@ -52,7 +55,8 @@ class GradientBucketer:
         while self.next < len(self.sizes) and (force or self.pending[self.next] <= 0):
             if self.max_in_flight and len(self.in_flight) >= self.max_in_flight:
                 self._complete_oldest()
-            self.in_flight.append((self.next, self.launch(self.next)))
+            with diagnostics.phase(f"reduce {self.names[self.next]}"):
+                self.in_flight.append((self.next, self.launch(self.next)))
             self.next += 1
 
     def _complete_oldest(self) -> None:

@@ -30,7 +30,7 @@ class FullGradientPartitioner(ZeroPartitioner):
         self._reducing = False
         self._scratch: dict[int, torch.Tensor] = {}
         self.bucketer = GradientBucketer(
-            [len(ps) for ps in self.unit_params], self._launch, self._finish
+            [len(ps) for ps in self.unit_params], self._launch, self._finish, names=self.unit_names()
         )
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from zkit.partition import PartitionContext, Partitioner, Piece
-from zkit.zero.flat import plan_units
+from zkit.zero.flat import Unit, plan_units
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -42,9 +42,7 @@ class ZeroPartitioner(Partitioner):
         if not named:
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
         self.param_of = dict(named)
-        self.units = plan_units(
-            ((n, p.shape) for n, p in reversed(named)), max(int(zc.reduce_bucket_size), 1), self.world
-        )
+        self.units = self._plan_units(named)
         self.unit_params = [[self.param_of[s.name] for s in u.slots] for u in self.units]
         self.unit_of = {id(p): u.index for u in self.units for p in self.unit_params[u.index]}
         self._build_param_buffers()
@@ -56,6 +54,15 @@ class ZeroPartitioner(Partitioner):
         self._init_grads()
 
     # -- construction ----------------------------------------------------------------------------
+    def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
+        bucket = max(int(self.ctx.config.zero_optimization.reduce_bucket_size), 1)
+        return plan_units(((n, p.shape) for n, p in reversed(named)), bucket, self.world)
+
+    def _param_shard(self, unit: Unit) -> torch.Tensor:
+        """This rank's shard of a unit's parameters (model dtype)."""
+        lo, hi = unit.shard_range(self.rank)
+        return self.param_bufs[unit.index][lo:hi]
+
     def _build_param_buffers(self) -> None:
         self.param_bufs: list[torch.Tensor] = []
         for u, params in zip(self.units, self.unit_params):
@@ -72,26 +79,18 @@ class ZeroPartitioner(Partitioner):
         self.master_is_param = self.dtype == torch.float32 and place == self.ctx.device
         self.master: list[torch.Tensor] = []
         if self.master_is_param:
-            for u, buf in zip(self.units, self.param_bufs):
-                lo, hi = u.shard_range(self.rank)
-                self.master.append(buf[lo:hi])
+            self.master = [self._param_shard(u) for u in self.units]
             return
         flat = self.allocator.empty(sum(u.shard for u in self.units), torch.float32, "master")
         start = 0
-        for u, buf in zip(self.units, self.param_bufs):
-            lo, hi = u.shard_range(self.rank)
+        for u in self.units:
             m = flat[start : start + u.shard]
-            m.copy_(buf[lo:hi])
+            m.copy_(self._param_shard(u))
             self.master.append(m)
             start += u.shard
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         rec = self.ctx.optimizer
-        if self.shards_states and self.world > 1 and not rec.elementwise:
-            raise ValueError(
-                f"optimizer {rec.name!r} is not elementwise (it needs whole-parameter norms), so it "
-                f"cannot step on ZeRO stage {self.stage} shards; use stage 0 or an elementwise optimizer"
-            )
         group_of = {}
         for gi, group in enumerate(self.ctx.param_groups):
             for p in group["params"]:
@@ -99,6 +98,10 @@ class ZeroPartitioner(Partitioner):
         groups: list[dict[str, Any]] = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.ctx.param_groups
         ]
+        # Model parameter numbering shared by all ranks (named_trainable order), per group in step
+        # with the optimizer's parameters: what a non-elementwise optimizer sums its norms by.
+        model_index = {name: i for i, name in enumerate(self.param_of)}
+        group_index: list[list[int]] = [[] for _ in groups]
         #: (optimizer param, unit, start in shard, end in shard, piece) for every owned piece.
         self.owned: list[tuple[torch.nn.Parameter, int, int, int, Any]] = []
         for u in self.units:
@@ -107,11 +110,37 @@ class ZeroPartitioner(Partitioner):
                 opt_param = torch.nn.Parameter(self.master[u.index][a : a + piece.numel], requires_grad=True)
                 gi = group_of.get(id(self.param_of[piece.slot.name]), 0)
                 groups[gi]["params"].append(opt_param)
+                group_index[gi].append(model_index[piece.slot.name])
                 self.owned.append((opt_param, u.index, a, a + piece.numel, piece))
         if not self.owned:
             # A rank owning nothing still needs an optimizer (schedules and checkpoints see it).
+            # Its empty placeholder never has a gradient; any index serves.
             groups[0]["params"].append(torch.nn.Parameter(torch.zeros(0, device=self.master_device)))
-        return rec.factory(groups, **self.ctx.optimizer_params)
+            group_index[0].append(0)
+        optimizer = rec.factory(groups, **self.ctx.optimizer_params)
+        if self.shards_states and self.world > 1 and not rec.elementwise:
+            if not callable(getattr(optimizer, "set_shard_norms", None)):
+                raise ValueError(
+                    f"optimizer {rec.name!r} is not elementwise (it needs whole-parameter norms), so it "
+                    f"cannot step on ZeRO stage {self.stage} shards; use stage 0 or an elementwise optimizer"
+                )
+            device = self.ctx.device
+
+            def all_reduce(t: torch.Tensor) -> None:
+                # Through the training device: the master (and the optimizer) may live on the host.
+                on_device = t.to(device)
+                self.comm.all_reduce(on_device, "sum")
+                if on_device is not t:
+                    t.copy_(on_device)
+
+            optimizer.set_shard_norms([i for index in group_index for i in index], len(model_index), all_reduce)
+        return optimizer
+
+    def unit_names(self) -> list[str]:
+        """A readable name per unit for diagnostics: its first parameter (and how many more)."""
+        return [
+            repr(u.slots[0].name) + (f" +{len(u.slots) - 1} more" if len(u.slots) > 1 else "") for u in self.units
+        ]
 
     @property
     def master_device(self) -> torch.device:
@@ -163,7 +192,8 @@ class ZeroPartitioner(Partitioner):
             if not self.master_is_param:
                 buf[lo:hi].copy_(m)
             if self.shards_states and self.world > 1:
-                handles.append(self.comm.all_gather(buf, buf[lo:hi].clone(), async_op=True))
+                # in place: the input is this rank's own chunk of the output (gloo and NCCL allow it)
+                handles.append(self.comm.all_gather(buf, buf[lo:hi], async_op=True))
         for h in handles:
             h.wait()
 

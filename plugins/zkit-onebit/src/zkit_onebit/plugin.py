@@ -1,9 +1,105 @@
 """zkit plugin entry point of zkit-onebit: the hook implementations zkit discovers."""
 from __future__ import annotations
 
+from typing import Any
+
 import zkit
+from zkit.records import CommunicatorRecord, OptimizerRecord
+from zkit_onebit import __version__
+from zkit_onebit.adam import OneBitAdam, make_onebit_adam
+from zkit_onebit.communicator import OneBitCommunicator, make_onebit_communicator
+
+
+@zkit.hookimpl
+def zkit_register_communicators():
+    yield CommunicatorRecord(
+        name="onebit",
+        factory=make_onebit_communicator,
+        description="1-bit error-feedback compressed all-reduce/reduce-scatter over torch.distributed",
+        aliases=("1bit", "onebit_compressed"),
+    )
+
+
+@zkit.hookimpl
+def zkit_register_optimizers():
+    yield OptimizerRecord(
+        name="onebitadam",
+        aliases=("onebit_adam", "1bitadam"),
+        factory=make_onebit_adam,
+        description="1-bit Adam: Adam warm-up, then frozen variance and 1-bit compressed exchange",
+        state_names=("exp_avg", "exp_avg_sq"),
+        elementwise=True,
+        devices=("cpu", "cuda"),
+    )
+
+
+def _find(obj: Any, cls: type, depth: int = 3) -> Any:
+    """``obj`` or the object it wraps (``.optimizer``) that is a ``cls``."""
+    for _ in range(depth):
+        if obj is None or isinstance(obj, cls):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+    return obj if isinstance(obj, cls) else None
+
+
+def onebit_optimizer(engine: Any) -> OneBitAdam | None:
+    """The engine's 1-bit optimizer, if it has one."""
+    found = _find(getattr(engine, "optimizer", None), OneBitAdam)
+    if found is None:
+        found = _find(getattr(getattr(engine, "partitioner", None), "optimizer", None), OneBitAdam)
+    return found
+
+
+def _engine_comm(engine: Any) -> Any:
+    comm = getattr(engine, "comm", None)
+    return comm if comm is not None else getattr(getattr(engine, "partitioner", None), "comm", None)
+
+
+@zkit.hookimpl
+def zkit_engine_setup(engine):
+    opt = onebit_optimizer(engine)
+    if opt is None:
+        return
+    if opt.comm is None:
+        opt.comm = _engine_comm(engine)
+    opt.attach(engine.partitioner)
+
+
+@zkit.hookimpl
+def zkit_after_backward(engine):
+    # The partitioner's reductions of this backward are done: the next ones start a new round.
+    seen = set()
+    for comm in (getattr(engine, "comm", None), getattr(getattr(engine, "partitioner", None), "comm", None)):
+        if isinstance(comm, OneBitCommunicator) and id(comm) not in seen:
+            seen.add(id(comm))
+            comm.end_round()
+
+
+@zkit.hookimpl
+def zkit_checkpoint_save(engine):
+    out: dict[str, Any] = {}
+    opt = onebit_optimizer(engine)
+    if opt is not None:
+        out["optimizer"] = opt.onebit_state_dict()
+    comm = _engine_comm(engine)
+    if isinstance(comm, OneBitCommunicator) and (opt is None or comm is not opt._grad_comm):
+        out["communicator"] = comm.state_dict()
+    return out or None
+
+
+@zkit.hookimpl
+def zkit_checkpoint_load(engine, state):
+    opt = onebit_optimizer(engine)
+    if opt is not None and "optimizer" in state:
+        opt.load_onebit_state_dict(state["optimizer"])
+    comm = _engine_comm(engine)
+    if isinstance(comm, OneBitCommunicator) and "communicator" in state:
+        comm.load_state_dict(state["communicator"])
 
 
 @zkit.hookimpl
 def zkit_report():
-    yield "zkit-onebit", "installed (work in progress)"
+    yield "zkit-onebit", (
+        f"{__version__}: communicator 'onebit' (1-bit error-feedback all-reduce), optimizer 'onebitadam' "
+        f"(ZeRO stages 0-2)"
+    )

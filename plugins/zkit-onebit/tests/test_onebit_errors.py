@@ -1,0 +1,232 @@
+"""Bad parameters and unsupported combinations give errors that say what to change; the plugin
+registers its records."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from zkit.comm import Communicator
+from zkit.plugins import PluginError, get_plugin_manager
+from zkit_onebit.adam import OneBitAdam, make_onebit_adam
+from zkit_onebit.communicator import OneBitCommunicator
+
+
+class _Local(Communicator):
+    """A one-process stand-in transport that records the exact calls it receives."""
+
+    def __init__(self, world_size: int = 1) -> None:
+        super().__init__(0, world_size)
+        self.calls: list[str] = []
+        self.backend = "gloo"
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        self.calls.append(f"all_reduce:{op}")
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False):
+        self.calls.append("reduce_scatter")
+
+    def all_gather(self, output, input, async_op=False):
+        self.calls.append("all_gather")
+
+    def all_to_all(self, output, input, async_op=False):
+        self.calls.append("all_to_all")
+
+    def broadcast(self, tensor, src, async_op=False):
+        self.calls.append("broadcast")
+
+    def send(self, tensor, dst):
+        pass
+
+    def recv(self, tensor, src):
+        pass
+
+    def barrier(self):
+        pass
+
+    def all_gather_object(self, obj):
+        return [obj]
+
+    def subgroup(self, ranks):
+        return _Local(len(ranks))
+
+
+def _params():
+    return [torch.nn.Parameter(torch.zeros(4))]
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"freeze_step": -1}, "freeze_step must be >= 1, got -1"),
+        ({"freeze_step": 0}, "freeze_step must be >= 1, got 0"),
+        ({"freeze_step": 2.5}, "freeze_step must be an integer"),
+        ({"lr": -1.0}, "lr must be a finite number >= 0"),
+        ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\)"),
+        ({"eps": 0.0}, "eps must be a finite number > 0"),
+        ({"weight_decay": -0.1}, "weight_decay must be a finite number >= 0"),
+        ({"amsgrad": True}, "does not support amsgrad"),
+        ({"max_grad_norm": 1.0}, "clip gradients with the config's 'gradient_clipping'"),
+        ({"comm_backend_name": "mpi"}, r"comm_backend_name must be one of \('nccl', 'gloo'\)"),
+        ({"bucket_numel": 4}, "bucket_numel must be >= 8"),
+    ],
+)
+def test_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_onebit_adam([{"params": _params()}], **kwargs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only message")
+def test_nccl_without_cuda():
+    with pytest.raises(ValueError, match="comm_backend_name='nccl' needs CUDA devices and NCCL"):
+        OneBitAdam(_params(), comm_backend_name="nccl")
+
+
+def test_unknown_parameter_did_you_mean():
+    with pytest.raises(ValueError, match="unknown OneBitAdam parameter 'freeze_steps'; did you mean 'freeze_step'"):
+        make_onebit_adam([{"params": _params()}], freeze_steps=10)
+    with pytest.raises(ValueError, match="Valid parameters: amsgrad, betas"):
+        make_onebit_adam([{"params": _params()}], zzz=1)
+
+
+def test_deepspeed_config_params_accepted():
+    opt = make_onebit_adam(
+        [{"params": _params()}],
+        lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, freeze_step=400,
+        cuda_aware=False, comm_backend_name="gloo",
+    )
+    assert opt.freeze_step == 400 and opt.param_groups[0]["betas"] == (0.9, 0.999)
+
+
+class _Partitioner:
+    def __init__(self, stage, comm, local_norm=3.0):
+        self.stage, self.comm = stage, comm
+        self.gradient_reduction = True
+        self.local_norm = local_norm
+
+    def grad_norm(self):
+        return torch.tensor(self.local_norm)
+
+
+class _Summing(_Local):
+    """Two ranks holding the same values: a sum all-reduce doubles them."""
+
+    def all_reduce(self, tensor, op="sum", async_op=False):
+        super().all_reduce(tensor, op)
+        tensor.mul_(2)
+
+
+def test_stage0_grad_norm_is_agreed_on_while_reduction_is_off():
+    p = _params()
+    part = _Partitioner(0, _Summing(2))
+    opt = OneBitAdam(p, freeze_step=1)
+    opt.attach(part)
+    assert part.grad_norm().item() == 3.0 and part.comm.calls == []  # reduced gradients: local norm is global
+    p[0].grad = torch.ones(4)
+    opt.step()
+    assert not part.gradient_reduction
+    assert part.grad_norm().item() == pytest.approx(3.0)  # sqrt((9 + 9) / 2)
+    assert part.comm.calls == ["all_reduce:sum"]
+    part.local_norm = float("inf")
+    assert not torch.isfinite(part.grad_norm())  # an overflow anywhere is an overflow everywhere
+
+
+def test_zero3_refused():
+    opt = OneBitAdam(_params(), freeze_step=1)
+    with pytest.raises(ValueError, match="supports ZeRO stages 0, 1 and 2, not stage 3"):
+        opt.attach(_Partitioner(3, _Local(2)))
+
+
+def test_onebit_communicator_with_onebit_adam_refused():
+    opt = OneBitAdam(_params(), freeze_step=1)
+    with pytest.raises(ValueError, match="cannot run over the 'onebit' communicator"):
+        opt.attach(_Partitioner(0, OneBitCommunicator(_Local(2))))
+
+
+def test_stage0_switches_gradient_reduction_off_at_freeze():
+    p = _params()
+    opt = OneBitAdam(p, freeze_step=2)
+    part = _Partitioner(0, _Local(1))
+    opt.attach(part)
+    seen = []
+    for _ in range(3):
+        p[0].grad = torch.ones(4)
+        opt.step()
+        seen.append(part.gradient_reduction)
+    assert seen == [True, False, False]
+    assert opt.frozen and not part.gradient_reduction and not opt.needs_gradient_reduction
+
+
+def test_stage1_wraps_the_partitioner_communicator():
+    transport = _Local(2)
+    part = _Partitioner(1, transport)
+    opt = OneBitAdam(_params(), freeze_step=5)
+    opt.attach(part)
+    assert isinstance(part.comm, OneBitCommunicator) and part.comm.transport is transport
+    assert part.comm.compress is False and opt.needs_gradient_reduction
+
+
+def test_communicator_keeps_small_integer_and_max_reductions_exact():
+    transport = _Local(2)
+    comm = OneBitCommunicator(transport, min_numel=16)
+    comm.all_reduce(torch.zeros(8))  # below min_numel
+    comm.all_reduce(torch.zeros(64, dtype=torch.int64))  # integers
+    comm.all_reduce(torch.zeros(64), op="max")
+    assert transport.calls == ["all_reduce:sum", "all_reduce:sum", "all_reduce:max"]
+    assert comm.stats()["all_reduce"]["calls"] == 3
+    with pytest.raises(ValueError, match="unknown reduce op 'prod'"):
+        comm.all_reduce(torch.zeros(64), op="prod")
+
+
+def test_communicator_bad_construction():
+    with pytest.raises(TypeError, match="needs a zkit Communicator as transport"):
+        OneBitCommunicator(object())
+    with pytest.raises(TypeError, match="cannot wrap another OneBitCommunicator"):
+        OneBitCommunicator(OneBitCommunicator(_Local(2)))
+    with pytest.raises(ValueError, match="min_numel must be >= 1"):
+        OneBitCommunicator(_Local(2), min_numel=0)
+
+
+def test_communicator_refuses_unbounded_error_buffers():
+    comm = OneBitCommunicator(_Local(2), min_numel=1, max_buffers=2)
+    from zkit_onebit.compression import ChunkLayout
+
+    layout = ChunkLayout.for_all_reduce(16, 2)
+    comm.feedback_for("a", layout, torch.device("cpu"))
+    comm.feedback_for("b", layout, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="reduces a new tensor every step"):
+        comm.feedback_for("c", layout, torch.device("cpu"))
+
+
+def test_communicator_state_dict_roundtrip_and_world_size_change():
+    from zkit_onebit.compression import ChunkLayout
+
+    comm = OneBitCommunicator(_Local(2), min_numel=1)
+    layout = ChunkLayout.for_all_reduce(40, 2)
+    fb = comm.feedback_for("bucket", layout, torch.device("cpu"))
+    fb.worker.normal_()
+    fb.server.normal_()
+    state = comm.state_dict()
+    other = OneBitCommunicator(_Local(2), min_numel=1)
+    other.load_state_dict(state)
+    restored = other.feedback_for("bucket", layout, torch.device("cpu"))
+    assert torch.equal(restored.worker, fb.worker) and torch.equal(restored.server, fb.server)
+    four = OneBitCommunicator(_Local(4), min_numel=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        four.load_state_dict(state)
+    assert "saved on 2 ranks and is restored on 4" in str(caught[0].message)
+    wrong = ChunkLayout.for_all_reduce(48, 2)
+    with pytest.raises(ValueError, match=r"error-feedback state is for \(kind, numel, world_size\)"):
+        fb.load_state_dict(OneBitCommunicator(_Local(2)).feedback_for("x", wrong, torch.device("cpu")).state_dict())
+
+
+def test_plugin_registers_records():
+    pm = get_plugin_manager()
+    assert pm.lookup("communicator", "onebit").dist.startswith("zkit-onebit")
+    rec = pm.lookup("optimizer", "OneBitAdam")
+    assert rec.state_names == ("exp_avg", "exp_avg_sq")
+    assert pm.lookup("optimizer", "onebit_adam") is rec
+    with pytest.raises(PluginError, match="Did you mean 'onebitadam'"):
+        pm.lookup("optimizer", "onebitadm")

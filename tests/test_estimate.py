@@ -1,0 +1,177 @@
+"""The memory estimator equals zkit's allocations for stages 0-2, and the GPT activation count
+equals what autograd saves."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+from zkit.cli import main
+from zkit.estimate import estimate_memory
+from zkit.estimator import gpt_activation_bytes, model_state_bytes
+from zkit.models.gpt import GPT, GPTConfig
+from zkit.testing import run_ranks
+
+import engine_ranks as er
+
+CASES = [(stage, dtype) for stage in (0, 1, 2) for dtype in ("fp32", "bf16")]
+
+
+def memory_rank(cases):
+    import zkit
+
+    world = torch.distributed.get_world_size()
+    out = {}
+    for stage, dtype in cases:
+        engine, *_ = zkit.initialize(model=er.make_model(), config=er.config(stage, dtype, 1, world))
+        er.train_engine(engine, 1, 1, world)
+        out[(stage, dtype)] = {k[: -len("_bytes")]: v for k, v in engine.memory().items()
+                               if k.endswith("_bytes") and not k.endswith("peak_bytes") and "rss" not in k}
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world", (1, 2))
+def test_estimate_equals_engine_memory(world):
+    results = run_ranks(memory_rank, world, args=(CASES,), timeout=240)
+    shapes = [(n, tuple(p.shape)) for n, p in er.make_model().named_parameters()]
+    for rank, measured in enumerate(results):
+        for stage, dtype in CASES:
+            est = model_state_bytes(
+                shapes, stage=stage, world_size=world, dtype=dtype, rank=rank, reduce_bucket_size=40,
+                overlap_comm=True, accelerator=False,
+            )
+            got = measured[(stage, dtype)]
+            assert est.host == {} and est.nvme == {}
+            for purpose in set(got) | set(est.device):
+                assert est.device.get(purpose, 0) == got.get(purpose, 0), (world, rank, stage, dtype, purpose)
+
+
+@given(
+    sizes=st.lists(st.integers(1, 50), min_size=1, max_size=12),
+    world=st.integers(1, 8),
+    bucket=st.integers(1, 120),
+    stage=st.sampled_from((1, 2)),
+)
+@settings(max_examples=60, deadline=None)
+def test_shards_cover_the_model_once(sizes, world, bucket, stage):
+    shapes = [(f"p{i}", (n,)) for i, n in enumerate(sizes)]
+    per_rank = [
+        model_state_bytes(shapes, stage=stage, world_size=world, dtype="fp32", rank=r, reduce_bucket_size=bucket)
+        for r in range(world)
+    ]
+    assert sum(s.host["optim_state"] for s in per_rank if "optim_state" in s.host) == 0
+    assert sum(s.device.get("optim_state", 0) for s in per_rank) == 8 * sum(sizes)
+    padded = per_rank[0].device["param"] // 4
+    units = -(-sum(sizes) // 1)  # at most one unit per parameter
+    assert sum(sizes) <= padded <= sum(sizes) + min(units, len(sizes)) * (world - 1)
+    assert len({s.device["param"] for s in per_rank}) == 1  # parameters are replicated
+
+
+def _saved_bytes(model, ids) -> int:
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(ids, ids)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype, nbytes", ((torch.float32, 4), (torch.bfloat16, 2)))
+@pytest.mark.parametrize("checkpointing", (False, True))
+def test_gpt_activation_estimate_matches_saved_tensors(dtype, nbytes, checkpointing):
+    import zkit.checkpointing as ckpt
+
+    cfg = GPTConfig(vocab_size=200, seq_len=32, n_layer=3, n_head=4, d_model=64)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dtype)
+    if checkpointing:
+        ckpt.apply(model, "every")
+    ids = torch.randint(0, 200, (3, 32))
+    measured = _saved_bytes(model, ids)
+    est = gpt_activation_bytes(cfg, 3, dtype_bytes=nbytes, checkpointing=checkpointing)["saved"]
+    assert abs(est - measured) <= 0.01 * measured, (est, measured)
+
+
+def test_checkpointing_estimate_is_smaller_and_peaks_one_block_higher():
+    cfg = GPTConfig.preset("gpt2-124m")
+    plain = gpt_activation_bytes(cfg, 8)
+    ck = gpt_activation_bytes(cfg, 8, checkpointing=True)
+    assert ck["saved"] < plain["saved"] / 2
+    assert ck["peak"] - ck["saved"] == plain["per_block"]
+
+
+def test_model_num_params_and_gpt_config_agree():
+    cfg = GPTConfig.preset("small")
+    with torch.device("meta"):
+        model = GPT(cfg)
+    a = estimate_memory(model, world_sizes=(2,))
+    b = estimate_memory(gpt_config=cfg, world_sizes=(2,))
+    assert a.num_params == b.num_params == cfg.num_parameters()
+    assert a.rows == b.rows
+    c = estimate_memory(num_params=cfg.num_parameters(), world_sizes=(2,))
+    assert c.row(world_size=2, stage=1).states.device["param"] == 2 * (cfg.num_parameters() + cfg.num_parameters() % 2)
+
+
+def test_offload_moves_master_and_state_to_host():
+    e = estimate_memory(num_params=1000, world_sizes=(4,), dtypes=("fp16",))
+    none, cpu = e.row(world_size=4, stage=2).states, e.row(world_size=4, stage=2, offload="cpu").states
+    assert none.device["optim_state"] == 8 * 250 and "optim_state" not in cpu.device
+    assert cpu.host == {"master": 4 * 250, "master_grad": 4 * 250, "optim_state": 8 * 250}
+    assert not e.row(world_size=4, stage=2, offload="cpu+params").states.supported
+    nvme = e.row(world_size=4, stage=3, offload="nvme").states
+    assert nvme.nvme == {"optim_state": 8 * 250}
+    params3 = e.row(world_size=4, stage=3, offload="cpu+params").states
+    assert params3.host["param"] == 2 * 250 and "param" not in params3.device
+
+
+def test_table_and_cli(capsys):
+    text = estimate_memory(gpt_config=GPTConfig.preset("tiny"), batch=2, world_sizes=(1, 2)).table()
+    assert "world size 2" in text and "n/a (parameter offload needs stage 3)" in text
+    assert "activations per micro-batch (batch 2, seq 64)" in text
+    assert main(["estimate", "--params", "7e9", "--world-sizes", "8", "--stages", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "7,000,000,000 parameters" in out and "world size 8" in out
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(), "exactly one of model=, num_params= or gpt_config="),
+        (dict(num_params=0), "num_params must be an int >= 1"),
+        (dict(num_params=10, stages=(4,)), "stages must be chosen from 0, 1, 2, 3; got 4"),
+        (dict(num_params=10, offloads=("disk",)), "offloads must be chosen from"),
+        (dict(num_params=10, dtypes=("fp8",)), "dtypes must be chosen from"),
+        (dict(num_params=10, world_sizes=(0,)), "world_sizes must be ints >= 1"),
+        (dict(num_params=10, optimizer="rmsprop"), "unknown optimizer 'rmsprop'"),
+        (dict(gpt_config=3), "gpt_config must be a zkit.models.gpt.GPTConfig"),
+    ],
+)
+def test_bad_arguments(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        estimate_memory(**kwargs)
+
+
+def test_activation_argument_errors():
+    cfg = GPTConfig.preset("tiny")
+    with pytest.raises(ValueError, match=r"seq must be an int in \[1, 64\]"):
+        gpt_activation_bytes(cfg, 2, 65)
+    with pytest.raises(ValueError, match="batch must be an int >= 1"):
+        gpt_activation_bytes(cfg, 0)
+    with pytest.raises(ValueError, match="attention must be one of flash, math"):
+        gpt_activation_bytes(cfg, 1, attention="sparse")
+
+
+def test_cli_errors():
+    with pytest.raises(SystemExit, match="--params must be a whole number"):
+        main(["estimate", "--params", "1.5"])
+    with pytest.raises(SystemExit, match="--world-sizes takes comma-separated integers"):
+        main(["estimate", "--params", "10", "--world-sizes", "a"])
+    with pytest.raises(SystemExit, match="--model takes MODULE:CALLABLE"):
+        main(["estimate", "--model", "zkit.models.gpt"])

@@ -1,0 +1,96 @@
+"""The activation checkpointing settings of this process, from a config, an engine or keywords."""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import attrs
+import torch
+
+from zkit.alloc import Allocator
+from zkit.comm import Communicator
+from zkit.config.sections import ActivationCheckpointingConfig
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointSettings:
+    """What :func:`zkit.checkpointing.checkpoint` does besides recomputation.
+
+    The first six fields are the ``activation_checkpointing`` config keys (DeepSpeed's names).
+    ``group`` is the tensor-parallel communicator that ``partition_activations`` splits saved
+    inputs over (``None``, or a group of one rank: nothing to split). ``allocator`` is the
+    engine's, when one is active: host copies are counted (and, where it places activations on
+    the host, allocated) under its ``"activation"`` purpose.
+    """
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+    group: Communicator | None = None
+    allocator: Allocator | None = None
+    pin_memory: bool = True
+
+    @property
+    def splits(self) -> bool:
+        """Whether saved inputs are really split (partitioning on, over more than one rank)."""
+        return self.partition_activations and self.group is not None and self.group.world_size > 1
+
+    @property
+    def transforms_inputs(self) -> bool:
+        """Whether saved inputs are stored other than by reference."""
+        return self.splits or self.cpu_checkpointing
+
+    @classmethod
+    def from_section(cls, section: ActivationCheckpointingConfig, **extra: Any) -> CheckpointSettings:
+        return cls(
+            partition_activations=section.partition_activations,
+            cpu_checkpointing=section.cpu_checkpointing,
+            contiguous_memory_optimization=section.contiguous_memory_optimization,
+            number_checkpoints=section.number_checkpoints,
+            synchronize_checkpoint_boundary=section.synchronize_checkpoint_boundary,
+            profile=section.profile,
+            **extra,
+        )
+
+
+def section_from(source: Any) -> tuple[ActivationCheckpointingConfig, Allocator | None]:
+    """The ``activation_checkpointing`` section (and the engine's allocator, if any) of an
+    engine, a :class:`~zkit.config.ZkitConfig`, a section, a full config dict (one holding the
+    key ``activation_checkpointing``) or a dict of the section's own keys."""
+    if source is None:
+        return ActivationCheckpointingConfig(), None
+    if isinstance(source, ActivationCheckpointingConfig):
+        return source, None
+    config = getattr(source, "config", None)
+    if config is not None and hasattr(config, "activation_checkpointing"):  # an engine
+        return config.activation_checkpointing, getattr(source, "allocator", None)
+    if hasattr(source, "activation_checkpointing"):  # a ZkitConfig
+        return source.activation_checkpointing, None
+    if isinstance(source, Mapping):
+        from zkit.config.structure import Context, structure
+
+        if "activation_checkpointing" in source:
+            data, path = source["activation_checkpointing"], "activation_checkpointing"
+        else:
+            data, path = dict(source), "activation_checkpointing"
+        return structure(ActivationCheckpointingConfig, data, path, Context(sections={})), None
+    raise TypeError(
+        "zkit.checkpointing.configure takes an engine, a ZkitConfig, a config dict or an "
+        f"ActivationCheckpointingConfig, got {type(source).__name__}"
+    )
+
+
+def as_communicator(group: Any) -> Communicator | None:
+    """A zkit communicator from a communicator, a torch ProcessGroup, or ``None``."""
+    if group is None or isinstance(group, Communicator):
+        return group
+    if isinstance(group, torch.distributed.ProcessGroup):
+        from zkit.builtin.comm_torch import TorchCommunicator
+
+        return TorchCommunicator(group)
+    raise TypeError(
+        "group= must be a zkit Communicator (e.g. ProcessGrid.build()['tensor']) or a "
+        f"torch.distributed ProcessGroup, got {type(group).__name__}"
+    )

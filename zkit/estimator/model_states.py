@@ -1,0 +1,156 @@
+"""Model-state bytes per rank from zkit's own layout (:mod:`zkit.zero.flat`), not from rules of thumb.
+
+For stages 0-2 every figure is the byte count the partitioners allocate (``zkit/zero/``), purpose
+by purpose, so it equals ``engine.memory()``:
+
+* ``param``: every unit's padded flat buffer in the training dtype (stage 0 plans units for one
+  rank: no padding);
+* ``master``: the fp32 copy of the rank's shard of every unit, absent when training in fp32 with
+  the master on the training device (the parameters *are* the master);
+* ``grad``: stages 0-1 a full flat gradient buffer per unit in the training dtype (stage 1
+  reduce-scatters into the rank's own slice of it, in place); stage 2 only the shard
+  (communication dtype);
+* ``bucket`` (stage 2): ``min(units, 2 if overlap_comm else 1)`` buckets of the largest unit plus
+  a shard-sized landing area (communication dtype);
+* ``optim_state``: the optimizer's per-element state over the *real* elements the rank owns
+  (padding has no optimizer parameter).
+
+Offload (zkit-offload's ``host`` / ``nvme`` allocators) moves ``master`` and ``optim_state`` to
+the host (``nvme``: the state to disk, ``buffer_count`` sub-group buffer sets on the host) and adds
+the fp32 gradient copy the host optimizer reads. Parameter offload exists at stage 3 only.
+
+Stage 3 keeps only its shard of ``param`` and ``grad`` and gathers a working set during forward
+and backward: the largest layer plus the prefetch bucket of parameters, and one reduce bucket of
+full gradients.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import attrs
+
+from zkit.zero.flat import Unit, plan_units
+
+STAGES = (0, 1, 2, 3)
+OFFLOADS = ("none", "cpu", "cpu+params", "nvme")
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+
+
+@attrs.frozen
+class StateBytes:
+    """Bytes by purpose on the training device, in host memory and on NVMe, for one rank.
+    ``supported`` is False for combinations zkit refuses (parameter offload below stage 3)."""
+
+    device: dict[str, int]
+    host: dict[str, int]
+    nvme: dict[str, int]
+    supported: bool = True
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    @property
+    def nvme_total(self) -> int:
+        return sum(self.nvme.values())
+
+
+def dtype_bytes(dtype: str) -> int:
+    try:
+        return DTYPE_BYTES[dtype]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(DTYPE_BYTES)}") from None
+
+
+def plan(shapes: Sequence[tuple[str, tuple[int, ...]]], unit_numel: int, world_size: int) -> list[Unit]:
+    """Units exactly as the partitioners plan them: parameters in reverse registration order."""
+    return plan_units(reversed(list(shapes)), max(int(unit_numel), 1), world_size)
+
+
+def _owned_real(units: Iterable[Unit], rank: int) -> int:
+    return sum(p.numel for u in units for p in u.pieces(rank))
+
+
+def model_state_bytes(
+    shapes: Sequence[tuple[str, tuple[int, ...]]],
+    *,
+    stage: int,
+    world_size: int,
+    dtype: str = "fp16",
+    offload: str = "none",
+    rank: int = 0,
+    reduce_bucket_size: int = 500_000_000,
+    overlap_comm: bool | None = None,
+    communication_dtype: str | None = None,
+    optimizer_state_bytes: int = 8,
+    accelerator: bool = True,
+    largest_layer: int = 0,
+    stage3_prefetch_bucket_size: int = 50_000_000,
+    sub_group_size: int = 1_000_000_000,
+    buffer_count: int = 4,
+) -> StateBytes:
+    """Per-purpose bytes of one rank. ``shapes``: ``(name, shape)`` of the trainable parameters in
+    registration order (a tied parameter once). ``optimizer_state_bytes``: state bytes per
+    element (Adam/AdamW 8, SGD with momentum, Adagrad, Lion 4, SGD 0). ``accelerator=False``:
+    training on the CPU, where host and device are one memory (the fp32 master is then the
+    parameters even with offload)."""
+    if stage not in STAGES:
+        raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {', '.join(OFFLOADS)}, got {offload!r}")
+    if type(world_size) is not int or world_size < 1:
+        raise ValueError(f"world size must be an int >= 1, got {world_size!r}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} out of range for world size {world_size}")
+    p = dtype_bytes(dtype)
+    c = dtype_bytes(communication_dtype) if communication_dtype else p
+    if overlap_comm is None:
+        overlap_comm = stage == 3
+    if offload == "cpu+params" and stage < 3:
+        return StateBytes({}, {}, {}, supported=False)
+    world = 1 if stage == 0 else world_size
+    rank = 0 if stage == 0 else rank
+    units = plan(shapes, reduce_bucket_size, world)
+    padded = sum(u.padded for u in units)
+    shard = sum(u.shard for u in units)
+    owned = _owned_real(units, rank)
+    total = sum(u.numel for u in units)
+    device: dict[str, int] = {}
+    host: dict[str, int] = {}
+    nvme: dict[str, int] = {}
+    offloaded = offload != "none"
+    states_side = host if offloaded and accelerator else device
+    # fp32 with the master on the training device: no separate copy (ZeroPartitioner._build_master).
+    master_is_param = dtype == "fp32" and not (offloaded and accelerator)
+
+    if stage < 3:
+        device["param"] = padded * p
+        # stages 0-1: full per-unit buffers (stage 1 reduce-scatters in place); stage 2: shards
+        device["grad"] = shard * c if stage == 2 else padded * p
+        if stage == 2:
+            buckets = min(len(units), 2 if overlap_comm else 1)
+            device["bucket"] = buckets * (max(u.padded for u in units) + max(u.shard for u in units)) * c
+    else:
+        params_side = host if offload == "cpu+params" and accelerator else device
+        params_side["param"] = shard * p
+        device["grad"] = shard * c
+        gathered = min(total, max(largest_layer, 0) + stage3_prefetch_bucket_size)
+        device["gathered_param"] = gathered * p
+        device["bucket"] = min(total, reduce_bucket_size) * c
+    if not master_is_param:
+        states_side["master"] = shard * 4
+    if offloaded and accelerator:
+        host["master_grad"] = shard * 4  # the fp32 gradient the host optimizer steps with
+    state = owned * optimizer_state_bytes
+    if offload == "nvme":
+        nvme["optim_state"] = state
+        per_set = min(sub_group_size, owned) * optimizer_state_bytes
+        (host if accelerator else device)["optim_state"] = max(2, buffer_count) * per_set
+    else:
+        states_side["optim_state"] = state
+    drop_zero = lambda d: {k: v for k, v in d.items() if v}  # noqa: E731
+    return StateBytes(drop_zero(device), drop_zero(host), drop_zero(nvme))

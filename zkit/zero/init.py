@@ -1,0 +1,138 @@
+"""Building and touching stage-3 partitioned models from user code.
+
+``with zkit.zero.Init():`` partitions each module's parameters as soon as the module is built, so a
+model larger than one rank's memory can be constructed (each rank only ever holds one module's full
+parameters at a time). ``with zkit.zero.GatheredParameters(params, modifier_rank=0):`` gathers
+partitioned parameters for reading or editing; edits made on ``modifier_rank`` are broadcast and
+written back into every rank's shard (and the engine's fp32 master) on exit. Every rank must enter
+both contexts together, like any collective.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from zkit import distributed
+from zkit.zero.flat import plan_units
+from zkit.zero.sharded_params import ShardedUnit, ZeroParameter
+
+
+def _subclasses(cls: type) -> Iterator[type]:
+    for sub in cls.__subclasses__():
+        yield sub
+        yield from _subclasses(sub)
+
+
+class Init:
+    """Partition parameters at module construction (see the module docstring).
+
+    ``dtype`` (or a config with fp16/bf16 enabled) stores the shards in that dtype right away.
+    """
+
+    def __init__(self, config: Any = None, dtype: torch.dtype | None = None, enabled: bool = True) -> None:
+        self.enabled = enabled
+        self.dtype = dtype
+        self.config = config
+        self._patched: list[tuple[type, Any]] = []
+
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        from zkit.builtin.alloc_flat import DeviceAllocator
+        from zkit.builtin.comm_torch import TorchCommunicator
+
+        distributed.ensure_initialized()
+        self.comm = TorchCommunicator()
+        self.device = distributed.default_device()
+        self.allocator = DeviceAllocator(self.device)
+        if self.dtype is None and self.config is not None:
+            from zkit.config import load_config
+
+            self.dtype = load_config(self.config, world_size=self.comm.world_size).dtype
+        for cls in [torch.nn.Module, *_subclasses(torch.nn.Module)]:
+            self._wrap(cls)
+        original_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
+        init = self
+
+        def init_subclass(cls, **kwargs):
+            super(torch.nn.Module, cls).__init_subclass__(**kwargs)
+            init._wrap(cls)  # classes defined inside the context are partitioned too
+
+        torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
+        self._patched.append((torch.nn.Module, ("__init_subclass__", original_init_subclass)))
+        return self
+
+    def _wrap(self, cls: type) -> None:
+        original = cls.__dict__.get("__init__")
+        if original is None or getattr(original, "_zkit_wrapped", False):
+            return
+        init = self
+
+        def __init__(module, *args, **kwargs):
+            depth = module.__dict__.get("_zkit_init_depth", 0)
+            object.__setattr__(module, "_zkit_init_depth", depth + 1)
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                object.__setattr__(module, "_zkit_init_depth", depth)
+            if depth == 0:
+                init._partition(module)
+
+        __init__._zkit_wrapped = True
+        cls.__init__ = __init__
+        self._patched.append((cls, ("__init__", original)))
+
+    def _partition(self, module: torch.nn.Module) -> None:
+        own = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, ZeroParameter)]
+        if not own:
+            return
+        with torch.no_grad():
+            for _, p in own:
+                p.data = p.data.to(self.device)
+                if self.dtype is not None and p.is_floating_point():
+                    p.data = p.data.to(self.dtype)
+                # identical start on every rank whatever the per-rank RNG state
+                self.comm.broadcast(p.data, src=0)
+            (unit,) = plan_units([(n, p.shape) for n, p in own], 1 << 62, self.comm.world_size)
+            su = ShardedUnit.from_params(unit, [p for _, p in own], self.comm, self.allocator, self.comm.rank, type(module).__name__)
+            su.release()
+
+    def __exit__(self, *exc: Any) -> None:
+        for cls, (name, original) in reversed(self._patched):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._patched = []
+
+
+@contextlib.contextmanager
+def GatheredParameters(
+    params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None, enabled: bool = True
+) -> Iterator[None]:
+    """Gather stage-3 parameters for the block; with ``modifier_rank``, that rank's edits are
+    broadcast and kept. Parameters that are not partitioned pass through untouched."""
+    if not enabled:
+        yield
+        return
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    units: list[ShardedUnit] = []
+    for p in params:
+        su = getattr(p, "_zkit_unit", None)
+        if su is not None and all(su is not u for u in units):
+            units.append(su)
+    was_gathered = [su.full is not None and su.handle is None for su in units]
+    for su in units:
+        su.wait()
+    try:
+        yield
+    finally:
+        if modifier_rank is not None:
+            for su in units:
+                su.comm.broadcast(su.full, src=modifier_rank)
+                su.write_back(su.comm.rank)
+        for su, was in zip(units, was_gathered):
+            if not was:
+                su.release()

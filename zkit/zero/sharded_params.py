@@ -1,0 +1,208 @@
+"""Partitioned parameters for ZeRO stage 3.
+
+Each module's own parameters form one :class:`ShardedUnit`: a flat buffer, padded and split in
+equal shards, of which a rank keeps only its shard. The full buffer exists only while the unit is
+*gathered*; released parameters keep their shape (their ``.data`` is a one-element placeholder
+expanded to the shape, so ``p.shape`` still answers) and are instances of :class:`ZeroParameter`,
+whose ``__torch_function__`` gathers a released parameter on use while a stage-3 engine runs its
+forward or backward, and otherwise raises an error that says what to do instead of computing with
+garbage.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.nn.functional as F
+
+from zkit.zero.flat import Unit
+
+
+class _Active(threading.local):
+    #: callback(unit) used to gather a released parameter on use; None outside forward/backward.
+    fetch: Callable[["ShardedUnit"], None] | None = None
+
+
+ACTIVE = _Active()
+
+
+#: Tensor methods that read no values: allowed on released parameters, no gather.
+_METADATA = frozenset(
+    {
+        "__get__", "__set__", "__hash__", "__repr__", "__format__", "__reduce_ex__", "__deepcopy__",
+        "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point",
+        "is_complex", "is_contiguous", "get_device", "data_ptr", "requires_grad_", "retain_grad",
+        "register_hook", "register_post_accumulate_grad_hook", "untyped_storage", "_is_view",
+    }
+)
+
+
+def _placeholder(p: torch.Tensor) -> torch.Tensor:
+    return torch.empty((), dtype=p.dtype, device=p.device).expand(p.shape)
+
+
+def _zero_params(args: tuple, kwargs: dict) -> Iterable["ZeroParameter"]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, ZeroParameter):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            for b in a:
+                if isinstance(b, ZeroParameter):
+                    yield b
+
+
+def ensure_gathered(p: "ZeroParameter") -> None:
+    if not p._zkit_released:
+        return
+    unit = p._zkit_unit
+    if ACTIVE.fetch is None:
+        raise RuntimeError(
+            f"parameter {unit.name_of(p)!r} (shape {tuple(p.shape)}) is partitioned by ZeRO stage 3 and not "
+            f"gathered here; read or change it inside `with zkit.zero.GatheredParameters([param], "
+            f"modifier_rank=0):`"
+        )
+    ACTIVE.fetch(unit)
+
+
+class ZeroParameter(torch.nn.Parameter):
+    """A parameter whose values live in shards across ranks (see the module docstring)."""
+
+    _zkit_unit: "ShardedUnit"
+    _zkit_released: bool = False
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in _METADATA:
+            params = list(_zero_params(args, kwargs))
+            for p in params:
+                ensure_gathered(p)
+            if func is F.linear and ACTIVE.fetch is not None and isinstance(args[1] if len(args) > 1 else kwargs.get("weight"), ZeroParameter):
+                return _ZeroLinear.apply(*_linear_args(args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _linear_args(args: tuple, kwargs: dict) -> tuple:
+    full = list(args) + [kwargs.get(k) for k in ("input", "weight", "bias")[len(args):]]
+    return full[0], full[1], full[2] if len(full) > 2 else None
+
+
+class _ZeroLinear(torch.autograd.Function):
+    """``F.linear`` saving the weight *parameter* itself for backward (torch's own linear saves a
+    transposed view, which would keep the gathered buffer alive until backward)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias):
+        ctx.save_for_backward(input)
+        ctx.weight = weight  # the parameter object itself: its data is swapped on release/gather
+        ctx.has_bias = bias is not None
+        with torch._C.DisableTorchFunctionSubclass():
+            return F.linear(input, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (input,) = ctx.saved_tensors
+        weight = ctx.weight
+        ensure_gathered(weight)
+        with torch._C.DisableTorchFunctionSubclass():
+            grad_input = grad_out @ weight if ctx.needs_input_grad[0] else None
+            flat_out = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_weight = flat_out.t() @ input.reshape(-1, input.shape[-1]) if ctx.needs_input_grad[1] else None
+            grad_bias = flat_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return grad_input, grad_weight, grad_bias
+
+
+def unpack_saved(t: Any) -> Any:
+    """saved-tensor hook: a parameter saved for backward is gathered again when backward needs it."""
+    if isinstance(t, ZeroParameter):
+        ensure_gathered(t)
+    return t
+
+
+class ShardedUnit:
+    """One module's parameters as a flat buffer of which this rank keeps shard ``rank``."""
+
+    def __init__(self, unit: Unit, params: list[torch.nn.Parameter], shard: torch.Tensor, comm: Any, allocator: Any, module_name: str) -> None:
+        self.unit = unit
+        self.params = params
+        self.shard = shard
+        self.comm = comm
+        self.allocator = allocator
+        self.module_name = module_name
+        self.full: torch.Tensor | None = None
+        self.handle: Any = None
+        self.persistent = False
+        #: the fp32 master of this shard when it is a separate copy (set by the stage-3 partitioner).
+        self.master: torch.Tensor | None = None
+        for p in params:
+            p.__class__ = ZeroParameter
+            p._zkit_unit = self
+            p._zkit_released = False
+
+    @classmethod
+    def from_params(cls, unit: Unit, params: list[torch.nn.Parameter], comm: Any, allocator: Any, rank: int, module_name: str) -> "ShardedUnit":
+        """Keep this rank's shard of the parameters' current (full) values, then release them."""
+        dtype, device = params[0].dtype, params[0].device
+        flat = torch.zeros(unit.padded, dtype=dtype, device=device)
+        for slot, p in zip(unit.slots, params):
+            flat[slot.offset : slot.offset + slot.numel].copy_(p.data.reshape(-1))
+        lo, hi = unit.shard_range(rank)
+        shard = allocator.empty(unit.shard, dtype, "param")
+        shard.copy_(flat[lo:hi])
+        self = cls(unit, params, shard, comm, allocator, module_name)
+        self.full = flat
+        allocator.track("param", flat.numel() * flat.element_size())
+        self._attach()
+        return self
+
+    def name_of(self, p: torch.Tensor) -> str:
+        for slot, q in zip(self.unit.slots, self.params):
+            if q is p:
+                return slot.name
+        return "?"
+
+    @property
+    def gathered(self) -> bool:
+        return self.full is not None and self.handle is None
+
+    def fetch(self) -> None:
+        """Start gathering (asynchronously) unless gathered or on its way."""
+        if self.full is not None:
+            return
+        self.full = self.allocator.empty(self.unit.padded, self.shard.dtype, "param")
+        self.handle = self.comm.all_gather(self.full, self.shard, async_op=True)
+
+    def wait(self) -> None:
+        """Gather (if needed) and point every parameter at the full buffer."""
+        self.fetch()
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            self._attach()
+
+    def _attach(self) -> None:
+        for slot, p in zip(self.unit.slots, self.params):
+            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            p._zkit_released = False
+
+    def release(self, force: bool = False) -> None:
+        """Drop the full buffer (unless persistent); parameters become placeholders."""
+        if self.full is None or (self.persistent and not force):
+            return
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+        for p in self.params:
+            p.data = _placeholder(p)
+            p._zkit_released = True
+        self.allocator.release(self.full, "param")
+        self.full = None
+
+    def write_back(self, rank: int) -> None:
+        """Copy this rank's range of the (gathered, possibly edited) full buffer into its shard."""
+        lo, hi = self.unit.shard_range(rank)
+        self.shard.copy_(self.full[lo:hi])
+        if self.master is not None:
+            self.master.copy_(self.shard)

@@ -1,0 +1,201 @@
+"""Stage 3: parameters partitioned too. Per-rank model states: 16Ψ/N; communication 3Ψ (the
+parameters are all-gathered in forward and again in backward, gradients reduce-scattered).
+
+Each module's own parameters are one unit (:mod:`zkit.zero.sharded_params`). A unit is gathered when
+its parameters are first used in forward, released after its module's forward, gathered again when
+backward needs a saved parameter, and released once its gradients are reduced. Units under
+``stage3_param_persistence_threshold`` elements stay gathered. The order units are gathered in during
+the first forward is recorded; afterwards each gather prefetches the next units of that order
+(backward: the reverse order) up to ``stage3_prefetch_bucket_size`` elements, never holding more than
+``stage3_max_live_parameters`` gathered elements. The gradient path is stage 2's.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import attrs
+import torch
+
+from zkit import diagnostics
+from zkit.zero.flat import Unit, plan_units
+from zkit.zero.sharded_params import ACTIVE, ShardedUnit, unpack_saved
+from zkit.zero.stage2 import Stage2
+
+
+class ModuleOrderDiverged(RuntimeError):
+    """Ranks ran different module sequences (data-dependent control flow) under stage 3."""
+
+
+class Stage3(Stage2):
+    stage = 3
+
+    # -- layout ----------------------------------------------------------------------------------
+    def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
+        seen: set[int] = set()
+        groups: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]] = []
+        for mname, module in self.module.named_modules():
+            own = [
+                (f"{mname}.{n}" if mname else n, p)
+                for n, p in module.named_parameters(recurse=False)
+                if p.requires_grad and id(p) not in seen
+            ]
+            seen.update(id(p) for _, p in own)
+            if own:
+                groups.append((mname, own))
+        groups.reverse()  # backward order, so reductions launch as gradients arrive
+        self.unit_modules = [mname for mname, _ in groups]
+        units = []
+        for i, (_, own) in enumerate(groups):
+            (u,) = plan_units([(n, p.shape) for n, p in own], 1 << 62, self.world)
+            units.append(attrs.evolve(u, index=i))
+        return units
+
+    def _build_param_buffers(self) -> None:
+        zc = self.ctx.config.zero_optimization
+        self.sharded: list[ShardedUnit] = []
+        for u, params, mname in zip(self.units, self.unit_params, self.unit_modules):
+            existing = getattr(params[0], "_zkit_unit", None)
+            if existing is not None and [p for p in existing.params] == params and existing.unit.padded == u.padded:
+                su = existing  # built partitioned by zkit.zero.Init
+                su.unit, su.comm, su.allocator = u, self.comm, self.allocator
+                su.shard = su.shard.to(device=self.ctx.device, dtype=self.dtype)
+                self.allocator.track("param", su.shard.numel() * su.shard.element_size())
+            else:
+                su = ShardedUnit.from_params(u, params, self.comm, self.allocator, self.rank, mname)
+            su.persistent = u.numel <= int(zc.stage3_param_persistence_threshold)
+            if su.persistent:
+                su.wait()
+            else:
+                su.release()
+            self.sharded.append(su)
+        self._phase = "idle"
+        self.prefetch_numel = int(zc.stage3_prefetch_bucket_size)
+        self.max_live = int(zc.stage3_max_live_parameters)
+        self.trace: list[int] = []
+        self.trace_frozen = False
+        self._order: list[int] = []
+        self._cursor = -1
+        self._hooks_fwd = []
+        owner = {name: i for i, name in enumerate(self.unit_modules)}
+        for mname, module in self.module.named_modules():
+            if mname in owner:
+                self._hooks_fwd.append(module.register_forward_hook(self._after_module_forward(owner[mname])))
+
+    def _param_shard(self, unit: Unit) -> torch.Tensor:
+        return self.sharded[unit.index].shard
+
+    def _build_master(self) -> None:
+        super()._build_master()
+        for su, m in zip(self.sharded, self.master):
+            su.master = None if self.master_is_param else m  # GatheredParameters edits reach it
+
+    # -- gathering -------------------------------------------------------------------------------
+    def _live(self) -> int:
+        return sum(su.unit.padded for su in self.sharded if su.full is not None and not su.persistent)
+
+    def _fetch(self, su: ShardedUnit) -> None:
+        """Called when a released parameter is used: gather its unit, prefetch what comes next."""
+        if not self.trace_frozen and self._phase == "forward":
+            self.trace.append(su.unit.index)
+            if self.comm.world_size > 1:
+                # First forward: agree on each gather before issuing it, so ranks running
+                # different modules get an error naming them rather than mismatched collectives.
+                self._check_same_order(self.comm.all_gather_object(self.trace))
+        with diagnostics.phase(f"gather {self.unit_modules[su.unit.index] or 'root'!r}"):
+            su.wait()
+            self._prefetch_after(su.unit.index)
+
+    def _prefetch_after(self, index: int) -> None:
+        order = self._order
+        if not order:
+            return
+        try:
+            self._cursor = order.index(index, self._cursor + 1)
+        except ValueError:
+            return
+        budget, live = self.prefetch_numel, self._live()
+        for nxt in order[self._cursor + 1 :]:
+            su = self.sharded[nxt]
+            if su.full is not None:
+                continue
+            if budget < su.unit.padded or live + su.unit.padded > self.max_live:
+                break
+            su.fetch()
+            budget -= su.unit.padded
+            live += su.unit.padded
+
+    def _after_module_forward(self, index: int):
+        def hook(module, args, output):
+            if ACTIVE.fetch is not None and self._phase == "forward":
+                self.sharded[index].release()
+
+        return hook
+
+    def _release_all(self) -> None:
+        for su in self.sharded:
+            su.release()
+
+    @contextlib.contextmanager
+    def _active(self, phase: str) -> Iterator[None]:
+        previous = ACTIVE.fetch
+        ACTIVE.fetch, self._phase, self._cursor = self._fetch, phase, -1
+        if self.trace_frozen:
+            self._order = self.trace if phase == "forward" else self.trace[::-1]
+        try:
+            yield
+        finally:
+            ACTIVE.fetch = previous
+
+    @contextlib.contextmanager
+    def forward_context(self) -> Iterator[None]:
+        with self._active("forward"), torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack_saved):
+            yield
+        self._release_all()
+        if not self.trace_frozen:
+            self._check_same_order()
+            self.trace_frozen = True
+
+    def _check_same_order(self, traces: list[list[int]] | None = None) -> None:
+        if traces is None:
+            traces = self.comm.all_gather_object(self.trace) if self.comm.world_size > 1 else [self.trace]
+        for rank, other in enumerate(traces):
+            if other != self.trace:
+                i = next((k for k, (a, b) in enumerate(zip(self.trace, other)) if a != b), min(len(self.trace), len(other)))
+                name = lambda t: self.unit_modules[t[i]] if i < len(t) else "(end of forward)"  # noqa: E731
+                raise ModuleOrderDiverged(
+                    f"ZeRO stage 3 needs every rank to run the same modules in the same order; at module #{i} "
+                    f"rank {self.comm.rank} ran {name(self.trace)!r} but rank {rank} ran {name(other)!r}"
+                )
+
+    @contextlib.contextmanager
+    def backward_context(self, boundary: bool) -> Iterator[None]:
+        super().backward_context(boundary)
+        with self._active("backward"):
+            yield
+
+    def after_backward(self, boundary: bool) -> None:
+        super().after_backward(boundary)
+        self._release_all()
+
+    def _launch(self, unit: int):
+        handle = super()._launch(unit)  # gradients are in the bucket now
+        self.sharded[unit].release()
+        return handle
+
+    # -- step ------------------------------------------------------------------------------------
+    def publish_params(self) -> None:
+        handles = []
+        for su, m in zip(self.sharded, self.master):
+            if not self.master_is_param:
+                su.shard.copy_(m)
+            if su.persistent:
+                handles.append(self.comm.all_gather(su.full, su.shard, async_op=True))
+        for h in handles:
+            h.wait()
+
+    def close(self) -> None:
+        super().close()
+        for h in self._hooks_fwd:
+            h.remove()
+        self._hooks_fwd = []
