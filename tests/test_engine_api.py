@@ -1,0 +1,134 @@
+"""The DeepSpeed-compatible surface of the engine, in one process."""
+import pytest
+import torch
+
+import zkit
+from zkit.plugins import PluginError
+
+SEED_CONFIG = {
+    "train_batch_size": 16,
+    "gradient_accumulation_steps": 2,
+    "fp16": {"enabled": True},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
+}
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n=64):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = self.x.sum(1, keepdim=True) * 0.1
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class LossModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = _model()
+
+    def forward(self, x, y):
+        return torch.nn.functional.mse_loss(self.net(x.to(self.net[0].weight.dtype)).float(), y)
+
+
+def test_seed_config_runs_as_a_deepspeed_script():
+    model = LossModel()
+    client_opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    engine, optimizer, loader, scheduler = zkit.initialize(
+        model=model, optimizer=client_opt, model_parameters=model.parameters(), training_data=Regression(),
+        config=SEED_CONFIG,
+    )
+    assert engine.records["partitioner"].name == "zero2"
+    assert engine.records["allocator"].name == "host"  # zkit-offload answered offload_optimizer
+    assert engine.train_micro_batch_size_per_gpu() == 8 and engine.gradient_accumulation_steps() == 2
+    assert type(optimizer).__name__ in ("Adam", "CPUAdam")
+    first = None
+    for _ in range(3):
+        for x, y in loader:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            first = loss.item() if first is None else first
+    assert engine.global_steps == 12
+    assert engine.loss_scale <= 2.0**16
+    assert loss.item() < first
+
+
+def test_offload_key_without_the_plugin_names_the_distribution(monkeypatch):
+    monkeypatch.setenv("ZKIT_BLOCK_PLUGINS", "offload")
+    with pytest.raises(ValueError, match="provided by the distribution 'zkit-offload', which is not installed: pip install zkit-offload"):
+        zkit.initialize(model=LossModel(), config={**SEED_CONFIG, "optimizer": {"type": "Adam"}})
+
+
+def test_train_batch_runs_one_global_batch_from_the_dataloader():
+    cfg = {"train_batch_size": 8, "gradient_accumulation_steps": 4, "steps_per_print": 100,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+           "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 2, "warmup_max_lr": 1e-2}}}
+    engine, _, _, scheduler = zkit.initialize(model=LossModel(), config=cfg, training_data=Regression())
+    lrs = []
+    for _ in range(3):
+        loss = engine.train_batch()
+        lrs.append(engine.get_lr()[0])
+    assert engine.global_steps == 3 and engine.micro_steps == 12
+    assert float(loss) > 0 and scheduler is not None
+    assert lrs[0] < lrs[1] <= lrs[2] == pytest.approx(1e-2)  # warm-up reached the max
+
+
+def test_no_sync_accumulates_locally_and_stage2_refuses_it():
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "steps_per_print": 100,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zkit.initialize(model=LossModel(), config=cfg)
+    data = Regression()
+    with engine.no_sync():
+        engine.backward(engine(data.x[:4], data.y[:4]))
+    assert engine.is_gradient_accumulation_boundary()
+    engine2, *_ = zkit.initialize(model=LossModel(), config={**cfg, "zero_optimization": {"stage": 2}})
+    with pytest.raises(RuntimeError, match="no_sync\\(\\) is not possible with ZeRO stage 2"):
+        with engine2.no_sync():
+            pass
+
+
+def test_train_and_eval_modes_reach_the_module():
+    engine, *_ = zkit.initialize(model=LossModel(), config={"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    engine.eval()
+    assert not engine.module.training
+    engine.train()
+    assert engine.module.training
+
+
+def test_client_optimizer_class_and_defaults_are_kept():
+    model = LossModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.7)
+    _, optimizer, _, _ = zkit.initialize(model=model, optimizer=opt, config={"train_batch_size": 2})
+    assert isinstance(optimizer, torch.optim.SGD)
+    assert optimizer.param_groups[0]["lr"] == 0.05 and optimizer.param_groups[0]["momentum"] == 0.7
+
+
+def test_missing_optimizer_and_bad_arguments_are_explained():
+    with pytest.raises(ValueError, match=r'no optimizer: add "optimizer": \{"type": ..., "params": \{...\}\} to the config'):
+        zkit.initialize(model=LossModel(), config={"train_batch_size": 2})
+    with pytest.raises(ValueError, match="zkit.initialize needs config="):
+        zkit.initialize(model=LossModel())
+    with pytest.raises(ValueError, match="mpu= is not supported"):
+        zkit.initialize(model=LossModel(), config={"train_batch_size": 2}, mpu=object())
+    with pytest.raises(PluginError, match="unknown optimizer 'Adamm'"):
+        zkit.initialize(model=LossModel(), config={"train_batch_size": 2, "optimizer": {"type": "Adamm"}})
+    with pytest.raises(ValueError, match="engine.backward expects a scalar loss tensor"):
+        engine, *_ = zkit.initialize(model=LossModel(), config={"train_batch_size": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+        engine.backward(torch.ones(3))
+
+
+def test_stack_overrides_the_config():
+    cfg = {"train_batch_size": 2, "zero_optimization": {"stage": 0}, "optimizer": {"type": "Adam"}}
+    engine, optimizer, *_ = zkit.initialize(model=LossModel(), config=cfg, stack=zkit.Stack(partitioner="zero1", optimizer="sgd"))
+    assert engine.records["partitioner"].name == "zero1"
+    assert isinstance(optimizer, torch.optim.SGD)
