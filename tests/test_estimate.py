@@ -1,4 +1,4 @@
-"""The memory estimator equals zkit's allocations for stages 0-2, and the GPT activation count
+"""The memory estimator equals zkit's allocations for stages 0-3, and the GPT activation count
 equals what autograd saves."""
 from __future__ import annotations
 
@@ -8,13 +8,16 @@ from hypothesis import given, settings, strategies as st
 
 from zkit.cli import main
 from zkit.estimate import estimate_memory
-from zkit.estimator import gpt_activation_bytes, model_state_bytes
+from zkit.estimator import gpt_activation_bytes, model_state_bytes, stage3_units
 from zkit.models.gpt import GPT, GPTConfig
 from zkit.testing import run_ranks
 
 import engine_ranks as er
 
-CASES = [(stage, dtype) for stage in (0, 1, 2) for dtype in ("fp32", "bf16")]
+#: (stage, dtype, stage3_param_persistence_threshold): TiedNet's units are 12, 42 and 78 elements,
+#: so 50 keeps the two smaller ones gathered
+CASES = [(stage, dtype, 0) for stage in (0, 1, 2) for dtype in ("fp32", "bf16")]
+CASES += [(3, dtype, persistence) for dtype in ("fp32", "bf16") for persistence in (0, 50)]
 
 
 def memory_rank(cases):
@@ -22,11 +25,13 @@ def memory_rank(cases):
 
     world = torch.distributed.get_world_size()
     out = {}
-    for stage, dtype in cases:
-        engine, *_ = zkit.initialize(model=er.make_model(), config=er.config(stage, dtype, 1, world))
-        er.train_engine(engine, 1, 1, world)
-        out[(stage, dtype)] = {k[: -len("_bytes")]: v for k, v in engine.memory().items()
-                               if k.endswith("_bytes") and not k.endswith("peak_bytes") and "rss" not in k}
+    for stage, dtype, persistence in cases:
+        cfg = er.config(stage, dtype, 1, world)
+        cfg["zero_optimization"].update(stage3_param_persistence_threshold=persistence, stage3_prefetch_bucket_size=40)
+        engine, *_ = zkit.initialize(model=er.make_model(), config=cfg)
+        er.train_engine(engine, 2, 1, world)
+        out[(stage, dtype, persistence)] = {k[: -len("_bytes")]: v for k, v in engine.memory().items()
+                                            if k.endswith("_bytes") and "rss" not in k}
         engine.close()
     return out
 
@@ -36,15 +41,30 @@ def test_estimate_equals_engine_memory(world):
     results = run_ranks(memory_rank, world, args=(CASES,), timeout=240)
     shapes = [(n, tuple(p.shape)) for n, p in er.make_model().named_parameters()]
     for rank, measured in enumerate(results):
-        for stage, dtype in CASES:
+        for stage, dtype, persistence in CASES:
             est = model_state_bytes(
                 shapes, stage=stage, world_size=world, dtype=dtype, rank=rank, reduce_bucket_size=40,
-                overlap_comm=True, accelerator=False,
+                overlap_comm=True, accelerator=False, stage3_param_persistence_threshold=persistence,
+                stage3_prefetch_bucket_size=40,
             )
-            got = measured[(stage, dtype)]
+            got = {k: v for k, v in measured[(stage, dtype, persistence)].items() if not k.endswith("_peak")}
             assert est.host == {} and est.nvme == {}
-            for purpose in set(got) | set(est.device):
-                assert est.device.get(purpose, 0) == got.get(purpose, 0), (world, rank, stage, dtype, purpose)
+            # between steps: the held buffers, exactly
+            held = {k: v for k, v in est.device.items() if k != "gathered_param"}
+            for purpose in set(got) | set(held):
+                assert held.get(purpose, 0) == got.get(purpose, 0), (world, rank, stage, dtype, persistence, purpose)
+            if stage == 3:
+                # during forward/backward: parameters gathered on top of the held ones
+                peak = measured[(stage, dtype, persistence)]["param_peak"]
+                assert got["param"] < peak <= held["param"] + est.device.get("gathered_param", 0), (world, persistence)
+
+
+def test_stage3_units_are_one_per_module_in_reverse_order():
+    shapes = [("embed.weight", (13, 6)), ("mix.weight", (6, 6)), ("mix.bias", (6,)), ("norm.weight", (6,)), ("norm.bias", (6,))]
+    units = stage3_units(shapes, 4)
+    assert [[s.name for s in u.slots] for u in units] == [["norm.weight", "norm.bias"], ["mix.weight", "mix.bias"], ["embed.weight"]]
+    assert [(u.numel, u.padded) for u in units] == [(12, 12), (42, 44), (78, 80)]
+    assert [u.index for u in units] == [0, 1, 2]
 
 
 @given(
@@ -66,6 +86,28 @@ def test_shards_cover_the_model_once(sizes, world, bucket, stage):
     units = -(-sum(sizes) // 1)  # at most one unit per parameter
     assert sum(sizes) <= padded <= sum(sizes) + min(units, len(sizes)) * (world - 1)
     assert len({s.device["param"] for s in per_rank}) == 1  # parameters are replicated
+
+
+@given(
+    modules=st.lists(st.lists(st.integers(1, 40), min_size=1, max_size=3), min_size=1, max_size=8),
+    world=st.integers(1, 8),
+    persistence=st.integers(0, 60),
+)
+@settings(max_examples=60, deadline=None)
+def test_stage3_shards_cover_the_model_once(modules, world, persistence):
+    shapes = [(f"m{i}.p{j}", (n,)) for i, sizes in enumerate(modules) for j, n in enumerate(sizes)]
+    per_rank = [
+        model_state_bytes(shapes, stage=3, world_size=world, dtype="fp16", rank=r,
+                          stage3_param_persistence_threshold=persistence)
+        for r in range(world)
+    ]
+    total = sum(map(sum, modules))
+    padded = [-(-sum(sizes) // world) * world for sizes in modules]
+    kept = sum(p for p, sizes in zip(padded, modules) if sum(sizes) <= persistence)
+    assert sum(s.device["optim_state"] for s in per_rank if "optim_state" in s.device) == 8 * total
+    assert {s.device["param"] for s in per_rank} == {2 * (sum(padded) // world + kept)}
+    assert {s.device["grad"] for s in per_rank} == {2 * sum(padded) // world}
+    assert per_rank[0].device.get("gathered_param", 0) <= 2 * (sum(padded) - kept)
 
 
 def _saved_bytes(model, ids) -> int:
@@ -128,7 +170,12 @@ def test_offload_moves_master_and_state_to_host():
     nvme = e.row(world_size=4, stage=3, offload="nvme").states
     assert nvme.nvme == {"optim_state": 8 * 250}
     params3 = e.row(world_size=4, stage=3, offload="cpu+params").states
-    assert params3.host["param"] == 2 * 250 and "param" not in params3.device
+    # 1000 elements are under the default persistence threshold (1e5): the unit also stays gathered
+    assert params3.host["param"] == 2 * (250 + 1000) and "param" not in params3.device
+    big = estimate_memory(num_params=400_000, world_sizes=(4,), dtypes=("fp16",), reduce_bucket_size=200_000)
+    released = big.row(world_size=4, stage=3).states
+    assert released.device["param"] == 2 * 100_000 and released.device["grad"] == 2 * 100_000
+    assert released.device["gathered_param"] == 2 * 400_000  # both 200K units fit the 50M prefetch
 
 
 def test_table_and_cli(capsys):

@@ -154,10 +154,12 @@ class Engine(torch.nn.Module):
         #: compute the global gradient norm every step even without fp16 or clipping (for logging)
         self.track_grad_norm = False
         self._closed = False
-        from zkit.monitor import Monitor, ThroughputMeter
+        from zkit.monitor import Monitor, StepProbe, ThroughputMeter
 
         self.monitor = Monitor(self.config, self.rank)
         self.throughput = ThroughputMeter()
+        #: FLOPs and saved activations of the first training micro-step, for the step log line
+        self.step_probe = StepProbe(self.module)
         from zkit import checkpointing
 
         checkpointing.configure(self)  # the activation_checkpointing section applies to this engine
@@ -261,7 +263,8 @@ class Engine(torch.nn.Module):
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        with diagnostics.phase("forward"), self.partitioner.forward_context():
+        # the probe inside the partitioner's context: its saved-tensor hooks pass on to stage 3's
+        with diagnostics.phase("forward"), self.partitioner.forward_context(), self.step_probe.forward():
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -289,7 +292,7 @@ class Engine(torch.nn.Module):
             scaled = scaled / self.gradient_accumulation_steps()
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         with diagnostics.phase("backward"):
-            with self.partitioner.backward_context(boundary):
+            with self.partitioner.backward_context(boundary), self.step_probe.backward():
                 scaled.backward(retain_graph=retain_graph)
             self.partitioner.after_backward(boundary)
         self.pm.hook.zkit_after_backward(engine=self)
@@ -372,18 +375,24 @@ class Engine(torch.nn.Module):
         self._losses = []
         self.last_loss = loss
         every = self.config.steps_per_print
-        if every and self.global_steps % every == 0:
+        if (every and self.global_steps % every == 0) or self.config.memory_breakdown:
             self._log_step(loss)
 
     def _log_step(self, loss: float) -> None:
-        from zkit.monitor import format_step_line, memory_snapshot
+        from zkit.monitor import format_memory_line, format_step_line, memory_snapshot
 
         mem = memory_snapshot(self._memory_stats())
+        mem["buffers_bytes"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        probe = self.step_probe
+        if probe.activation_bytes is not None:
+            mem["activations_peak_bytes"] = probe.activation_bytes
         all_mem = self.comm.all_gather_object(mem) if self.world_size > 1 else [mem]
+        throughput = self.throughput.metrics()
         metrics = {
             "loss": loss,
             "lr": self.get_lr()[0] if self.optimizer.param_groups else 0.0,
-            **self.throughput.metrics(),
+            **throughput,
+            **probe.metrics(throughput["step_time_s"], self.gradient_accumulation_steps()),
             "rss_per_rank": [m.get("rss_bytes", 0) for m in all_mem],
             "total_steps": getattr(self.lr_scheduler, "total_num_steps", None),
         }
@@ -393,6 +402,7 @@ class Engine(torch.nn.Module):
             metrics["grad_norm"] = self._grad_norm
         if self.rank == 0:
             log.info(format_step_line(self.global_steps, metrics))
+            log.info(format_memory_line(all_mem))
             self.monitor.write_events(
                 [(f"Train/{k}", float(v), self.global_steps) for k, v in metrics.items() if isinstance(v, (int, float))]
             )

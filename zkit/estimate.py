@@ -89,12 +89,9 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.3f}"
 
 
-def _shapes_of(model: torch.nn.Module) -> tuple[list[tuple[str, tuple[int, ...]]], int]:
-    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
-    largest = max(
-        (sum(p.numel() for p in m.parameters(recurse=False) if p.requires_grad) for m in model.modules()), default=0
-    )
-    return shapes, largest
+def _shapes_of(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of the trainable parameters; names carry the module (stage 3's units)."""
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters() if p.requires_grad]
 
 
 def _check_choices(label: str, values: Iterable[Any], valid: Sequence[Any]) -> tuple[Any, ...]:
@@ -127,7 +124,9 @@ def estimate_memory(
     :class:`~zkit.models.gpt.GPTConfig`, or a bare parameter count (packed as if into full units).
 
     Activations are added when the shape is a GPT (``gpt_config``, or a model with a ``config``
-    that is one) and ``batch`` is given; ``seq`` defaults to the model's ``seq_len``."""
+    that is one) and ``batch`` is given; ``seq`` defaults to the model's ``seq_len``.
+    ``largest_layer`` overrides the largest unit stage 3 gathers at once (default: from the
+    model's modules)."""
     from zkit.models.gpt import GPT, GPTConfig
 
     given = [x is not None for x in (model, num_params, gpt_config)]
@@ -147,17 +146,16 @@ def estimate_memory(
         with torch.device("meta"):
             model = GPT(gpt_config)
     if model is not None:
-        shapes, layer = _shapes_of(model)
+        shapes = _shapes_of(model)
         config = getattr(model, "config", None)
         gpt = config if isinstance(config, GPTConfig) else None
     else:
         if type(num_params) is not int or num_params < 1:
             raise ValueError(f"num_params must be an int >= 1, got {num_params!r}")
         bucket = max(int(reduce_bucket_size), 1)
-        shapes = [(f"chunk{i}", (min(bucket, num_params - start),)) for i, start in enumerate(range(0, num_params, bucket))]
-        layer, gpt = 0, None
-    if largest_layer is not None:
-        layer = largest_layer
+        # one module per chunk, so stage 3 sees reduce_bucket_size-sized units too
+        shapes = [(f"chunk{i}.weight", (min(bucket, num_params - start),)) for i, start in enumerate(range(0, num_params, bucket))]
+        gpt = None
     total = sum(int(torch.Size(s).numel()) for _, s in shapes)
     if total == 0:
         raise ValueError("the model has no trainable parameters (requires_grad=True)")
@@ -170,7 +168,7 @@ def estimate_memory(
                         shapes, stage=stage, world_size=world, dtype=dtype, offload=offload,
                         reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
                         optimizer_state_bytes=OPTIMIZER_STATE_BYTES[optimizer], accelerator=accelerator,
-                        largest_layer=layer,
+                        largest_layer=largest_layer,
                     )
                     rows.append(Row(world, stage, offload, dtype, states))
     acts: list[ActivationRow] = []

@@ -65,7 +65,9 @@ class ZkitConfig:
     )
     steps_per_print: int = setting(10, check=at_least(1), doc="Log every this many steps.")
     wall_clock_breakdown: bool = setting(False, doc="Time forward, backward and step.")
-    memory_breakdown: bool = setting(False, doc="Log memory use at each step.")
+    memory_breakdown: bool = setting(
+        False, doc="Log the step line and the per-rank memory line at every step, not only every steps_per_print."
+    )
     dump_state: bool = setting(False, doc="Print the engine's state after initialization.")
     prescale_gradients: bool = setting(
         False, doc="Divide gradients by the world size before reducing them."

@@ -19,9 +19,15 @@ Offload (zkit-offload's ``host`` / ``nvme`` allocators) moves ``master`` and ``o
 the host (``nvme``: the state to disk, ``buffer_count`` sub-group buffer sets on the host) and adds
 the fp32 gradient copy the host optimizer reads. Parameter offload exists at stage 3 only.
 
-Stage 3 keeps only its shard of ``param`` and ``grad`` and gathers a working set during forward
-and backward: the largest layer plus the prefetch bucket of parameters, and one reduce bucket of
-full gradients.
+Stage 3 follows :class:`zkit.zero.stage3.Stage3`: one unit per module's own parameters
+(:func:`stage3_units`; a parameter's module is its name up to the last dot), padded to the world
+size; ``param`` is every unit's shard in the training dtype plus the full buffer of each
+*persistent* unit (``numel <= stage3_param_persistence_threshold``: gathered once, kept);
+``grad`` the gradient shards; ``bucket``, ``master`` and ``optim_state`` as at stage 2, over
+those units. These are what ``engine.memory()`` reports between steps. ``gathered_param`` is the
+transient working set of forward and backward, not a buffer held between steps: the largest
+released unit plus a prefetch bucket of released units (``stage3_prefetch_bucket_size``), capped
+at all released units.
 """
 from __future__ import annotations
 
@@ -71,6 +77,19 @@ def plan(shapes: Sequence[tuple[str, tuple[int, ...]]], unit_numel: int, world_s
     return plan_units(reversed(list(shapes)), max(int(unit_numel), 1), world_size)
 
 
+def stage3_units(shapes: Sequence[tuple[str, tuple[int, ...]]], world_size: int) -> list[Unit]:
+    """Units exactly as ZeRO stage 3 plans them: one per module's own parameters (``shapes`` in
+    registration order, so a module's parameters are consecutive), modules in reverse order."""
+    by_module: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for name, shape in shapes:
+        by_module.setdefault(name.rpartition(".")[0], []).append((name, shape))
+    units = []
+    for index, params in enumerate(reversed(list(by_module.values()))):
+        (unit,) = plan_units(params, 1 << 62, world_size)  # one unit whatever its size
+        units.append(attrs.evolve(unit, index=index))
+    return units
+
+
 def _owned_real(units: Iterable[Unit], rank: int) -> int:
     return sum(p.numel for u in units for p in u.pieces(rank))
 
@@ -88,8 +107,9 @@ def model_state_bytes(
     communication_dtype: str | None = None,
     optimizer_state_bytes: int = 8,
     accelerator: bool = True,
-    largest_layer: int = 0,
+    largest_layer: int | None = None,
     stage3_prefetch_bucket_size: int = 50_000_000,
+    stage3_param_persistence_threshold: int = 100_000,
     sub_group_size: int = 1_000_000_000,
     buffer_count: int = 4,
 ) -> StateBytes:
@@ -97,7 +117,9 @@ def model_state_bytes(
     registration order (a tied parameter once). ``optimizer_state_bytes``: state bytes per
     element (Adam/AdamW 8, SGD with momentum, Adagrad, Lion 4, SGD 0). ``accelerator=False``:
     training on the CPU, where host and device are one memory (the fp32 master is then the
-    parameters even with offload)."""
+    parameters even with offload). Stage 3 only: ``largest_layer`` overrides the largest released
+    unit in ``gathered_param`` (default: from the shapes); the ``stage3_*`` arguments are the
+    config keys of the same names."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
     if offload not in OFFLOADS:
@@ -114,11 +136,10 @@ def model_state_bytes(
         return StateBytes({}, {}, {}, supported=False)
     world = 1 if stage == 0 else world_size
     rank = 0 if stage == 0 else rank
-    units = plan(shapes, reduce_bucket_size, world)
+    units = stage3_units(shapes, world) if stage == 3 else plan(shapes, reduce_bucket_size, world)
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
     owned = _owned_real(units, rank)
-    total = sum(u.numel for u in units)
     device: dict[str, int] = {}
     host: dict[str, int] = {}
     nvme: dict[str, int] = {}
@@ -131,16 +152,20 @@ def model_state_bytes(
         device["param"] = padded * p
         # stages 0-1: full per-unit buffers (stage 1 reduce-scatters in place); stage 2: shards
         device["grad"] = shard * c if stage == 2 else padded * p
-        if stage == 2:
-            buckets = min(len(units), 2 if overlap_comm else 1)
-            device["bucket"] = buckets * (max(u.padded for u in units) + max(u.shard for u in units)) * c
     else:
+        persistent = [u for u in units if u.numel <= int(stage3_param_persistence_threshold)]
+        released = [u.padded for u in units if u.numel > int(stage3_param_persistence_threshold)]
         params_side = host if offload == "cpu+params" and accelerator else device
-        params_side["param"] = shard * p
+        params_side["param"] = (shard + sum(u.padded for u in persistent)) * p
         device["grad"] = shard * c
-        gathered = min(total, max(largest_layer, 0) + stage3_prefetch_bucket_size)
-        device["gathered_param"] = gathered * p
-        device["bucket"] = min(total, reduce_bucket_size) * c
+        if released:
+            largest = max(released) if largest_layer is None else int(largest_layer)
+            gathered = min(sum(released), largest + int(stage3_prefetch_bucket_size))
+            device["gathered_param"] = gathered * p
+    if stage >= 2:
+        # reduce-scatter buckets, each the largest unit plus a shard-sized landing area
+        buckets = min(len(units), 2 if overlap_comm else 1)
+        device["bucket"] = buckets * (max(u.padded for u in units) + max(u.shard for u in units)) * c
     if not master_is_param:
         states_side["master"] = shard * 4
     if offloaded and accelerator:
