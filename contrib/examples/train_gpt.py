@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import zkit
+import zkit.zero
 from zkit.data import ByteTextDataset, decode, encode
 from zkit.models import GPT, GPTConfig
 from zkit.models.gpt import PRESETS
@@ -158,8 +159,13 @@ def main(argv: list[str] | None = None) -> None:
 
     val_loss = validation_loss(engine, val_data, args.eval_batches)
     prompt = encode(args.prompt)[None].to(engine.device)
-    # Every rank generates (greedy, so identically): a partitioned model needs all ranks in a forward.
-    sample = engine.module.generate(prompt, args.sample_bytes)[0, prompt.shape[1] :]
+    # Every rank generates (greedy, or sampled from one seed, so identically); under ZeRO stage 3 the
+    # parameters are gathered for it (a no-op for stages 0-2).
+    with zkit.zero.GatheredParameters(list(engine.module.parameters())):
+        sample = engine.module.generate(prompt, args.sample_bytes)[0, prompt.shape[1] :]
+        sampled = engine.module.generate(
+            prompt, args.sample_bytes, temperature=0.8, top_k=20, generator=torch.Generator(prompt.device).manual_seed(0)
+        )[0, prompt.shape[1] :]
     engine.monitor.write_events([("Eval/loss", val_loss, engine.global_steps)])
     tokens = engine.throughput.total_tokens
     say(
@@ -168,6 +174,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     say(f"validation loss {val_loss:.3f} ({val_loss / math.log(2):.2f} bits per byte)")
     say(f"sample (greedy, {args.sample_bytes} bytes):\n\n{args.prompt}{decode(sample)}\n")
+    say(f"sample (temperature 0.8, top-20, {args.sample_bytes} bytes):\n\n{args.prompt}{decode(sampled)}\n")
 
     comm = engine.comm_stats()
     memory = [engine.memory()]
