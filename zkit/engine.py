@@ -101,7 +101,10 @@ class Engine(torch.nn.Module):
         super().__init__()
         distributed.ensure_initialized()
         self.pm: ZkitPluginManager = get_plugin_manager(extra_plugins=stack.plugins)
-        world = torch.distributed.get_world_size()
+        # A model that brings its own data-parallel group (a pipeline stage's replicas) trains over
+        # that group: batch arithmetic and the partitioner's collectives use it, not the world.
+        dp_group = getattr(model, "data_parallel_group", None)
+        world = torch.distributed.get_world_size(dp_group)
         self.config: ZkitConfig = load_config(config, world_size=world, sections=self.pm.config_sections())
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
@@ -115,7 +118,9 @@ class Engine(torch.nn.Module):
         self.device = distributed.default_device()
         self.dtype = self.config.dtype
         self.module = cast_model(model, self.dtype, self.device)
-        self.comm = self.records["communicator"].factory(None, self.config)
+        self.comm = self.records["communicator"].factory(dp_group, self.config)
+        #: the whole world (a pipeline's point-to-point transfers); the same object without a group
+        self.world_comm = self.comm if dp_group is None else self.records["communicator"].factory(None, self.config)
         self.allocator = self.records["allocator"].factory(self.device, self.config)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         _setup_logging(self.rank)
@@ -449,6 +454,8 @@ class Engine(torch.nn.Module):
         self.monitor.close()
         self.partitioner.close()
         self.comm.close()
+        if self.world_comm is not self.comm:
+            self.world_comm.close()
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:

@@ -179,7 +179,12 @@ class ZeroPartitioner(Partitioner):
                 g.mul_(grad_factor)
         for opt_param, u, a, b, _ in self.owned:
             opt_param.grad = grads[u][a:b]
-        self.optimizer.step()
+        # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
+        stepper = getattr(self.allocator, "step_optimizer", None)
+        if stepper is not None:
+            stepper(self.optimizer)
+        else:
+            self.optimizer.step()
         for opt_param, *_ in self.owned:
             opt_param.grad = None
         self.publish_params()

@@ -13,7 +13,7 @@ flat shard into sub-groups (``sub_group_size`` elements) and steps them with
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import torch
 
@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups
 from zkit_offload.swap import NVMeSwapper, aligned_empty
+from zkit_offload.swapped_state import SubGroupPlan, SwappedState
 
 HOST_PURPOSES = ("master", "master_grad", "optim_state")
 
@@ -79,8 +80,12 @@ class NVMeAllocator(HostAllocator):
         self.aio = aio or _section(config, AioConfig.SECTION, AioConfig)
         self.swapper = NVMeSwapper(self.optimizer_config.nvme_path, block_size=self.aio.block_size,
                                    io_threads=self.aio.io_threads)
+        zero = getattr(config, "zero_optimization", None)
+        #: elements per sub-group of the optimizer step (``zero_optimization.sub_group_size``)
+        self.sub_group_size = max(1, int(getattr(zero, "sub_group_size", 1_000_000_000)))
         self._buffers: SubGroupBuffers | None = None
         self._stepped: set[int] = set()
+        self._plan: SubGroupPlan | None = None
 
     def empty(self, numel: int, dtype: torch.dtype, purpose: str) -> torch.Tensor:
         # Host buffers aligned for direct I/O: the swapper then reads and writes them in place.
@@ -90,39 +95,82 @@ class NVMeAllocator(HostAllocator):
             return buf
         return super().empty(numel, dtype, purpose)
 
+    def step_optimizer(self, optimizer: "FusedCPUOptimizer", grad_factor: float = 1.0) -> None:
+        """Step a fused CPU optimizer with its state on NVMe: the parameters are packed into
+        sub-groups of ``sub_group_size`` elements whose state is read into host buffers, stepped
+        and written back, overlapping the I/O of neighbouring sub-groups with the update. Between
+        steps ``optimizer.state`` is a :class:`~zkit_offload.swapped_state.SwappedState` (only
+        ``step`` in memory). Check overflow first (``optimizer.grad_stats``): a sub-group
+        pipeline cannot be rolled back half-way."""
+        state = self._swapped_state(optimizer)
+        plan = state.plan
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
+        def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
+            stepped = []
+            for p, offset in plan.members[i]:
+                st = state.resident(p)
+                views = {name: t[offset : offset + p.numel()].view_as(p) for name, t in tensors.items()}
+                if state.pending(p):  # loaded from a checkpoint since the last step
+                    for name, v in views.items():
+                        v.copy_(st[name].reshape(p.shape))
+                elif "step" not in st:  # never stepped: the optimizer's initial state
+                    optimizer._init_state(group_of[id(p)], p, st)
+                    for name, v in views.items():
+                        v.copy_(st[name])
+                st.update(views)
+                if p.grad is not None:
+                    stepped.append(p)
+            if stepped:
+                optimizer.fused_step(grad_factor, params=stepped)
+            for p, _ in plan.members[i]:
+                st = state.resident(p)
+                for name in plan.state_names:
+                    st.pop(name, None)  # the buffers are reused by the next sub-groups
+
+        fresh = set(range(len(plan))) - state.on_disk
+        with state.raw():
+            self.step_in_subgroups(plan.subgroups(), step, fresh=fresh)
+        state.on_disk.update(range(len(plan)))
+
+    def _swapped_state(self, optimizer: "FusedCPUOptimizer") -> SwappedState:
+        """``optimizer.state`` as a :class:`SwappedState`, installed on the first step (and again
+        after ``optimizer.load_state_dict``, which replaces it with a plain dict)."""
+        from zkit_offload.cpu_optimizer import FusedCPUOptimizer
+
+        if not isinstance(optimizer, FusedCPUOptimizer):
+            raise TypeError(f"NVMe optimizer offload steps zkit-offload's fused CPU optimizers (cpu_adam, cpu_adamw, "
+                            f"cpu_adagrad, cpu_lion); got {type(optimizer).__name__}. Configure one of Adam, AdamW, "
+                            "Adagrad, Lion instead of passing a client optimizer")
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        state = optimizer.state
+        if isinstance(state, SwappedState):
+            if not state.plan.matches(params):
+                raise ValueError("the NVMe-offloaded optimizer's parameters changed after its first step; "
+                                 "build a new optimizer (and engine) for a different set of parameters")
+            return state
+        if self._plan is None:
+            self._plan = SubGroupPlan(params, optimizer._state_names, self.sub_group_size)
+        elif not self._plan.matches(params):
+            raise ValueError("step_optimizer: this NVMe allocator swaps the state of one optimizer; got another "
+                             "one (different parameters)")
+        swapped = SwappedState(self._plan, self.swapper, resident=state)
+        optimizer.state = swapped
+        return swapped
+
     def step_in_subgroups(self, subgroups: Sequence[Mapping[str, int]],
-                          step: Callable[[int, dict[str, torch.Tensor]], None]) -> None:
+                          step: Callable[[int, dict[str, torch.Tensor]], None],
+                          fresh: bool | Container[int] | None = None) -> None:
         """Call ``step(i, tensors)`` for each sub-group (``{name: numel}``) with its swapped
         tensors in host buffers, reading ahead and writing behind (buffer_count buffer sets).
-        Sub-groups never written before start zero-filled (no read)."""
+        ``fresh``: sub-groups that start zero-filled (no read); by default those never written."""
         if self._buffers is None:
             self._buffers = SubGroupBuffers(subgroups, max(2, self.optimizer_config.buffer_count))
             self.track("optim_state", sum(t.numel() * t.element_size() for s in self._buffers.sets for t in s.values()))
-        fresh = not self._stepped
+        if fresh is None:
+            fresh = set(range(len(subgroups))) - self._stepped
         step_in_subgroups(self.swapper, subgroups, step, self._buffers, fresh=fresh)
         self._stepped.update(range(len(subgroups)))
-
-    def step_optimizer(self, optimizer: "FusedCPUOptimizer", grad_factor: float = 1.0) -> None:
-        """Step a fused CPU optimizer whose parameters are the sub-groups (one flat fp32 tensor
-        each), with its state tensors swapped in from NVMe for that sub-group's update and
-        written back after it. Check overflow first (``optimizer.grad_stats``): a sub-group
-        pipeline cannot be rolled back half-way."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
-        subgroups = [{name: p.numel() for name in optimizer._state_names} for p in params]
-
-        def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
-            p = params[i]
-            state = optimizer.state[p]
-            if "step" not in state:  # first step: initial state into the swap buffers
-                optimizer._init_state(group_of[id(p)], p, state)
-                for name, t in tensors.items():
-                    t.copy_(state[name].view(-1))
-            for name, t in tensors.items():
-                state[name] = t.view_as(p)
-            optimizer.fused_step(grad_factor, params=[p])
-
-        self.step_in_subgroups(subgroups, step)
 
     def close(self) -> None:
         """Delete the swap files and stop the I/O threads."""

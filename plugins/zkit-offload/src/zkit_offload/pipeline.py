@@ -12,7 +12,7 @@ buffering); three or more let the read of i+1 and the write of i-1 overlap as we
 """
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from typing import Callable, Container, Mapping, Sequence
 
 import torch
 
@@ -47,13 +47,13 @@ def step_in_subgroups(
     step: Callable[[int, dict[str, torch.Tensor]], None],
     buffers: SubGroupBuffers,
     *,
-    fresh: bool = False,
+    fresh: bool | Container[int] = False,
 ) -> None:
     """Run ``step(i, tensors)`` for every sub-group with its tensors read from NVMe, written back
     after the step, overlapping the I/O of neighbours with the step (see the module docstring).
 
     ``fresh=True`` skips the reads and hands ``step`` zero-filled buffers (the first step, when
-    nothing was swapped out yet). A failed read or write raises :class:`~zkit_offload.SwapError`
+    nothing was swapped out yet); a collection of indices does so for those sub-groups only. A failed read or write raises :class:`~zkit_offload.SwapError`
     after the pending I/O has finished; a sub-group whose write failed is never read again.
     """
     n = len(subgroups)
@@ -65,7 +65,7 @@ def step_in_subgroups(
         if i - slots >= 0 and writes[i - slots] is not None:
             writes[i - slots].wait()  # its buffer is the one we are about to fill
         views = buffers.views(i % slots, subgroups[i])
-        if fresh:
+        if fresh is True or (fresh is not False and i in fresh):
             for t in views.values():
                 t.zero_()
             return

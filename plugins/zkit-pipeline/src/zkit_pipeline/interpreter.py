@@ -63,7 +63,7 @@ class PipelineRunner:
         comm: Any = None,
     ) -> None:
         rank = dist.get_rank()
-        self.grid = grid or ProcessGrid(pipe=module.num_stages, data=dist.get_world_size() // module.num_stages)
+        self.grid = grid or module.grid or ProcessGrid(pipe=module.num_stages, data=dist.get_world_size() // module.num_stages)
         if self.grid.degree("pipe") != module.num_stages:
             raise ValueError(
                 f"PipelineRunner: the grid has {self.grid.degree('pipe')} pipeline stages but the module "
@@ -78,12 +78,52 @@ class PipelineRunner:
         self.coord = self.grid.coord(rank)
         if self.coord.pipe != module.stage_id:
             raise ValueError(f"PipelineRunner: rank {rank} is pipeline stage {self.coord.pipe}, module stage {module.stage_id}")
-        self.comms = self.grid.build(rank)
-        module.setup_tied(self.grid, rank)
+        if self.grid is module.grid and module.grid_groups:
+            # the module created the grid's groups (and its tied groups) when it was built
+            from zkit.builtin.comm_torch import TorchCommunicator
+
+            self.comms = {axis: TorchCommunicator(g, None) for axis, g in module.grid_groups.items()}
+        else:
+            self.comms = self.grid.build(rank)
+            module.setup_tied(self.grid, rank)
+        stage = getattr(partitioner, "stage", None)
+        if stage is not None and stage >= 3:
+            raise ValueError(
+                f"PipelineRunner: ZeRO stage {stage} is not supported with pipeline parallelism (its "
+                f"parameters are gathered per forward, which the pipeline's chunks do not do); use ZeRO "
+                f"stage 0, 1 or 2"
+            )
+        if stage == 2 and module.ties_stages:
+            raise ValueError(
+                f"PipelineRunner: ZeRO stage {stage} with a TiedLayerSpec shared by several pipeline "
+                f"stages is not supported: stage {stage} frees each gradient into its shard during "
+                f"backward, before the tied gradients can be summed across stages; use ZeRO stage 0 or 1"
+            )
         self.wire = comm  # counts bytes of transfers when given
+        if partitioner is not None and self.grid.degree("pipe") > 1:
+            self._norm_over_stages(partitioner)
         # shapes are exchanged once per channel and cached on both ends
         self._shapes: dict[tuple[str, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._sent_header: set[tuple[str, int, int]] = set()
+
+    def _norm_over_stages(self, partitioner: Any) -> None:
+        """Make the partitioner's gradient norm (clipping, fp16 overflow checks) cover the whole
+        model: it reduces over this stage's data-parallel replicas; the squares of the stages'
+        norms are summed over the pipe group."""
+        stage_norm, pipe, module = partitioner.grad_norm, self.comms["pipe"], self.module
+
+        def grad_norm() -> torch.Tensor:
+            if module.ties_stages:
+                raise ValueError(
+                    "PipelineRunner: the global gradient norm (gradient_clipping, fp16 loss scaling) of "
+                    "a model with a TiedLayerSpec shared by several pipeline stages is not supported: "
+                    "the tied gradient would be counted once per stage"
+                )
+            sq = stage_norm().float().reshape(1) ** 2
+            pipe.all_reduce(sq, "sum")
+            return sq.sqrt()[0]
+
+        partitioner.grad_norm = grad_norm  # per instance: the engine asks the partitioner
 
     # -- point-to-point --------------------------------------------------------------------------
     def _peer_rank(self, inst: CommInstruction) -> int:
@@ -133,7 +173,11 @@ class PipelineRunner:
         every rank)."""
         mod, p, s, v = self.module, self.module.num_stages, self.module.stage_id, self.module.virtual_stages
         stream = list(self.schedule(p, s, self.m, **self.params))
-        last_backward = max((i for i, x in enumerate(stream) if isinstance(x, (Backward, BackwardInput))), default=-1)
+        # The data-parallel reduction starts in the last instruction that produces weight gradients
+        # (overlapping its backward), as the engine's last micro-step does. Tied gradients must be
+        # summed across stages before that reduction, so with ties it waits for ReduceGrads.
+        weight_grads = [i for i, x in enumerate(stream) if isinstance(x, (Backward, BackwardWeight))]
+        boundary_at = weight_grads[-1] if weight_grads and not mod.ties_stages else None
         st = _State()
         mod.train()
         i = 0
@@ -166,26 +210,26 @@ class PipelineRunner:
             elif isinstance(inst, (Backward, BackwardInput)):
                 x, out = st.saved[(mb, c)]
                 grad = None if last else st.inbox.pop((mb, c, RecvGrad))
-                ctx = self.partitioner.backward_context(i == last_backward) if self.partitioner else contextlib.nullcontext()
-                with ctx:
-                    if isinstance(inst, Backward):
-                        st.saved.pop((mb, c))
+                if isinstance(inst, Backward):
+                    st.saved.pop((mb, c))
+                    with self._weight_grads(i == boundary_at):
                         torch.autograd.backward(out, grad)
-                        gx = x.grad if not first else None
-                    else:
-                        st.grads[(mb, c)] = grad
-                        gx = None if first else torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+                    gx = x.grad if not first else None
+                else:  # input gradient only: no parameter's .grad is touched
+                    st.grads[(mb, c)] = grad
+                    gx = None if first else torch.autograd.grad(out, x, grad, retain_graph=True)[0]
                 if not first:
                     st.outbox[(mb, c, SendGrad)] = gx
             elif isinstance(inst, BackwardWeight):
                 x, out = st.saved.pop((mb, c))
                 params = [q for q in mod.chunks[c].parameters() if q.requires_grad]
-                if params:
-                    torch.autograd.backward(out, st.grads.pop((mb, c)), inputs=params)
+                with self._weight_grads(i == boundary_at):
+                    if params:
+                        torch.autograd.backward(out, st.grads.pop((mb, c)), inputs=params)
             elif isinstance(inst, ReduceTiedGrads):
                 mod.reduce_tied_grads()
             elif isinstance(inst, ReduceGrads):
-                self._reduce_grads()
+                self._reduce_grads(reduced=boundary_at is not None)
             elif isinstance(inst, OptimizerStep):
                 for work in st.pending:
                     work.wait()
@@ -197,9 +241,25 @@ class PipelineRunner:
             work.wait()
         return self._mean_loss(st.losses)
 
-    def _reduce_grads(self) -> None:
+    @contextlib.contextmanager
+    def _weight_grads(self, boundary: bool) -> Iterator[None]:
+        """Around one backward that accumulates weight gradients: the partitioner's micro-step
+        protocol (``backward_context`` then ``after_backward``), as ``engine.backward`` runs it."""
+        if self.partitioner is None:
+            yield
+            return
+        with self.partitioner.backward_context(boundary):
+            yield
+        self.partitioner.after_backward(boundary)
+
+    def _reduce_grads(self, reduced: bool) -> None:
+        """Average gradients over the data axis, unless the last weight backward already did."""
         if self.partitioner is not None:
-            self.partitioner.after_backward(True)
+            if not reduced:
+                # every gradient is final: entering the boundary and leaving it launches all units
+                with self.partitioner.backward_context(True):
+                    pass
+                self.partitioner.after_backward(True)
             return
         data = self.comms.get("data")
         if data is None or data.world_size == 1:

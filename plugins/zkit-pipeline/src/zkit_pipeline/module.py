@@ -5,6 +5,12 @@ arguments and is built where it is needed (so a model too large for one rank can
 and its parameter count for balancing is taken from a build on the ``meta`` device, which allocates
 nothing. A :class:`TiedLayerSpec` shares one module (an embedding used again as the LM head) among
 all the stages that use its key; their gradients are summed over those stages after backward.
+
+When torch.distributed is initialised, construction is collective: the module lays the world out
+as a :class:`~zkit_pipeline.topology.ProcessGrid` (``topology``, default ``pipe = num_stages``
+and the rest data parallel), creates the grid's groups, and exposes its data-parallel group as
+``data_parallel_group``: the engine builds its partitioner's communicator on that group, so ZeRO
+reduces gradients only among replicas of the same stage.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
+from zkit_pipeline.topology import ProcessGrid
 
 
 class LayerSpec:
@@ -78,6 +85,9 @@ class PipelineModule(nn.Module):
     parts ``stage_id, stage_id + p, ...`` (for interleaved schedules).
     ``activation_checkpoint_interval = k > 0`` recomputes each run of ``k`` layers in backward
     instead of keeping its activations.
+
+    ``stage_id`` defaults to this rank's pipe coordinate in ``topology`` (needs torch.distributed);
+    ``topology`` defaults to ``ProcessGrid(pipe=num_stages, data=world // num_stages)``.
     """
 
     def __init__(
@@ -86,7 +96,8 @@ class PipelineModule(nn.Module):
         num_stages: int,
         loss_fn: Callable[[torch.Tensor, Any], torch.Tensor],
         *,
-        stage_id: int,
+        stage_id: int | None = None,
+        topology: ProcessGrid | None = None,
         partition_method: str = "parameters",
         activation_checkpoint_interval: int = 0,
         virtual_stages: int = 1,
@@ -100,6 +111,33 @@ class PipelineModule(nn.Module):
             raise ValueError(f"PipelineModule: num_stages must be an int >= 1, got {num_stages!r}")
         if not isinstance(virtual_stages, int) or virtual_stages < 1:
             raise ValueError(f"PipelineModule: virtual_stages must be an int >= 1, got {virtual_stages!r}")
+        distributed = dist.is_available() and dist.is_initialized()
+        #: the process grid and this rank's groups of it (``None`` / empty without torch.distributed)
+        self.grid: ProcessGrid | None = None
+        self.grid_groups: dict[str, Any] = {}
+        #: the group of this stage's data-parallel replicas (read by the engine), or None
+        self.data_parallel_group: Any = None
+        if distributed:
+            self.grid = topology if topology is not None else _default_grid(num_stages)
+            if self.grid.degree("pipe") != num_stages:
+                raise ValueError(
+                    f"PipelineModule: the topology has {self.grid.degree('pipe')} pipeline stages but "
+                    f"num_stages is {num_stages}"
+                )
+            own = self.grid.coord(dist.get_rank()).pipe
+            if stage_id is None:
+                stage_id = own
+            elif stage_id != own:
+                raise ValueError(
+                    f"PipelineModule: stage_id {stage_id} disagrees with the topology, which makes rank "
+                    f"{dist.get_rank()} pipeline stage {own}"
+                )
+        elif topology is not None:
+            raise ValueError("PipelineModule: topology= needs torch.distributed to be initialised")
+        if stage_id is None:
+            raise ValueError(
+                "PipelineModule: stage_id is required when torch.distributed is not initialised"
+            )
         if not 0 <= stage_id < num_stages:
             raise ValueError(f"PipelineModule: stage_id must be in [0, {num_stages}), got {stage_id}")
         parts = num_stages * virtual_stages
@@ -118,6 +156,8 @@ class PipelineModule(nn.Module):
         counts, names = zip(*(_describe(layer) for layer in layers))
         self.bounds = balanced_bounds(layer_weights(partition_method, counts, names), parts)
         self.tied_modules = nn.ModuleDict()
+        #: key -> communicator over the stages sharing it (set up by :meth:`setup_tied`)
+        self._tied_comms: dict[str, Any] = {}
         #: key -> stages using it (for the gradient all-reduce)
         self.tied_stages: dict[str, list[int]] = {}
         for k, layer in enumerate(layers):
@@ -133,6 +173,11 @@ class PipelineModule(nn.Module):
             built = [self._build(layers[i]) for i in range(self.bounds[v], self.bounds[v + 1])]
             self.chunks.append(nn.ModuleList(m for m in built if isinstance(m, nn.Module)))
             self._funcs.append(built)
+        if self.grid is not None:
+            # collective, in the same order on every rank: the axis groups, then the tied groups
+            self.grid_groups = self.grid.build_groups(dist.get_rank())
+            self.data_parallel_group = self.grid_groups["data"]
+            self.setup_tied(self.grid, dist.get_rank())
 
     def _owner(self, index: int) -> int:
         for v in range(len(self.bounds) - 1):
@@ -202,13 +247,28 @@ class PipelineModule(nn.Module):
                     for p in self.tied_modules[key].parameters():
                         self._tied_comms[key].broadcast(p.data, src=ranks[0])
 
+    @property
+    def ties_stages(self) -> bool:
+        """Whether this rank holds a tied module shared with another pipeline stage."""
+        return bool(self._tied_comms)
+
     def reduce_tied_grads(self) -> None:
         """Sum the gradients of every tied module over the stages that share it."""
-        for key, comm in getattr(self, "_tied_comms", {}).items():
+        for key, comm in self._tied_comms.items():
             for p in self.tied_modules[key].parameters():
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 comm.all_reduce(p.grad, op="sum")
+
+
+def _default_grid(num_stages: int) -> ProcessGrid:
+    world = dist.get_world_size()
+    if world % num_stages:
+        raise ValueError(
+            f"PipelineModule: {num_stages} pipeline stages do not divide the world of {world} ranks; "
+            f"choose num_stages dividing {world} or pass topology="
+        )
+    return ProcessGrid(pipe=num_stages, data=world // num_stages)
 
 
 def _run_all(funcs, x):

@@ -26,7 +26,10 @@ def zkit_register_schedulers():
 
 @zkit.hookimpl
 def zkit_train_batch(engine: Any, data_iter: Any) -> Any:
-    """Answer ``engine.train_batch`` when ``engine.module`` is a PipelineModule."""
+    """Answer ``engine.train_batch`` when ``engine.module`` is a PipelineModule: one global batch
+    of ``gradient_accumulation_steps`` micro-batches through the module's schedule, the optimizer
+    step through the engine's ``zkit_optimizer_step`` hook, and the engine's counters and step log
+    advanced as ``engine.step`` would."""
     from zkit_pipeline.module import PipelineModule
 
     module = getattr(engine, "module", None)
@@ -34,22 +37,38 @@ def zkit_train_batch(engine: Any, data_iter: Any) -> Any:
         return None
     runner = getattr(engine, "_zkit_pipeline_runner", None)
     if runner is None:
-        from zkit_pipeline.interpreter import PipelineRunner
-
-        name = getattr(module, "schedule", "1f1b")
-        record = engine.pm.lookup("scheduler", name) if hasattr(engine, "pm") else None
-        factory = record.factory if record is not None else BUILTIN_SCHEDULES[name]
-        runner = PipelineRunner(
-            module,
-            factory,
-            engine.config.gradient_accumulation_steps,
-            step=engine.apply_step,
-            partitioner=getattr(engine, "partitioner", None),
-            loss_scale=lambda: float(getattr(engine, "loss_scale", 1.0)),
-            comm=getattr(engine, "comm", None),
-        )
+        runner = _runner_for(engine, module)
         engine._zkit_pipeline_runner = runner
-    return runner.train_batch(iter(data_iter))
+    loss = runner.train_batch(iter(data_iter))
+    m = engine.gradient_accumulation_steps()
+    engine.micro_steps += m
+    engine.global_samples += engine.train_micro_batch_size_per_gpu() * engine.world_size * m
+    engine.global_steps += 1
+    engine._losses = [loss.detach().float()]
+    engine._after_step()
+    return loss
+
+
+def _runner_for(engine: Any, module: Any) -> Any:
+    from zkit_pipeline.interpreter import PipelineRunner
+
+    name = module.schedule
+    record = engine.pm.lookup("scheduler", name)
+    if record.kind != "step":
+        raise ValueError(f"PipelineModule: schedule {name!r} is a {record.kind} scheduler, not a pipeline (step) schedule")
+
+    def step() -> None:
+        engine._step_applied = bool(engine.pm.hook.zkit_optimizer_step(engine=engine))
+
+    return PipelineRunner(
+        module,
+        record.factory,
+        engine.gradient_accumulation_steps(),
+        step=step,
+        partitioner=engine.partitioner,
+        loss_scale=lambda: float(engine.loss_scale),
+        comm=getattr(engine, "world_comm", None),
+    )
 
 
 @zkit.hookimpl

@@ -128,6 +128,11 @@ class ProcessGrid:
         communicator)."""
         if communicator is None:
             from zkit.builtin.comm_torch import TorchCommunicator as communicator
+        return {name: communicator(group, config) for name, group in self.build_groups(rank).items()}
+
+    def build_groups(self, rank: int | None = None) -> dict[str, Any]:
+        """Create the torch.distributed groups of every axis (collective, as :meth:`build`) and
+        return ``{axis: group}`` for this rank's groups, plus ``"model"`` (pipe x tensor)."""
         if rank is None:
             rank = dist.get_rank()
         if dist.get_world_size() != self.world_size:
@@ -141,7 +146,7 @@ class ProcessGrid:
             for ranks in self.groups(*axes):
                 group = dist.new_group(ranks=ranks)
                 if rank in ranks:
-                    mine[name] = communicator(group, config)
+                    mine[name] = group
         return mine
 
     def _check_axis(self, axis: str) -> str:
