@@ -187,7 +187,7 @@ def plugins_text() -> str:
     from zkit.records import FAMILIES
 
     pm = get_plugin_manager()
-    lines = ["plugins:"]
+    lines = [f"zkit {_version('zkit')} (built-in plugins are part of the zkit distribution)", "plugins:"]
     for name, plugin in pm.list_name_plugin():
         if plugin is not None:
             lines.append(f"  {name:28s} {pm.dist_of(plugin)}")

@@ -1,6 +1,7 @@
-"""What stages 0, 1 and 2 share: flat parameter buffers, the fp32 master shard, the optimizer over
-that shard, the step and the parameter refresh. The stages differ only in how gradients are held
-and reduced (``stage0.py``, ``stage1.py``, ``stage2.py``).
+"""What the stages share: flat parameter buffers, the fp32 master shard, the optimizer over that
+shard, the step and the parameter refresh. Stages 0-2 differ only in how gradients are held and
+reduced (``stage0.py``, ``stage1.py``, ``stage2.py``); stage 3 (``stage3.py``) takes stage 2's
+gradient path and replaces the parameter buffers with per-module shards.
 
 Layout: trainable parameters, in reverse registration order (the order backward produces their
 gradients), are packed into units of ``reduce_bucket_size`` elements (:mod:`zkit.zero.flat`). Each

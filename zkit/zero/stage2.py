@@ -28,7 +28,11 @@ class Stage2(ZeroPartitioner):
         self._free: list[torch.Tensor] = []
         self._launched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.bucketer = GradientBucketer(
-            [len(ps) for ps in self.unit_params], self._launch, self._finish, max_in_flight=in_flight, names=self.unit_names()
+            [len(ps) for ps in self.unit_params],
+            self._launch,
+            self._finish,
+            max_in_flight=in_flight,
+            names=self.unit_names(),
         )
 
     def no_sync_allowed(self) -> bool:
