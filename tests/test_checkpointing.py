@@ -15,6 +15,8 @@ from zkit.config import ConfigError
 from zkit.models.gpt import GPT, Block, GPTConfig
 from zkit.testing import run_ranks
 
+from shared_models import SharedNet
+
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32, dropout=0.2)
 
 
@@ -231,26 +233,6 @@ def test_partition_without_group_is_a_noop(caplog):
 
 
 # -- multi-rank ----------------------------------------------------------------------------------
-
-
-class SharedNet(nn.Module):
-    """Blocks with dropout; block 1 reuses block 0's MLP input layer (one parameter, two
-    checkpointed regions); the head is tied to the embedding."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16, dropout=0.1)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.blocks[1].mlp.fc = self.blocks[0].mlp.fc
-
-    def forward(self, ids, labels):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        logits = h @ self.embed.weight.t()
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def engine_stages_rank(cases):

@@ -7,37 +7,16 @@ the head, must still get one correctly reduced gradient.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import nn
 
 import zkit.checkpointing as ckpt
-from zkit.models.gpt import Block, GPTConfig
 from zkit.testing import run_ranks
 
 import engine_ranks as er
+from shared_models import SharedNet
 
 STEPS = 3
-
-
-class SharedBlocks(nn.Module):
-    """GPT blocks with dropout; block 1 reuses block 0's MLP input layer (one parameter in two
-    checkpointed regions) and the head is tied to the embedding (outside every region)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        cfg = GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16, dropout=0.1)
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.blocks[1].mlp.fc = self.blocks[0].mlp.fc
-
-    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        logits = h @ self.embed.weight.t()
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
 
 
 def _stage3_config(world: int, dtype: str = "fp32") -> dict:
@@ -76,7 +55,7 @@ def tied_net_rank(names: list[str]) -> dict:
 
 
 def shared_blocks_rank() -> dict:
-    """SharedBlocks with dropout at stage 3: no checkpointing, every block checkpointed, and
+    """SharedNet with dropout at stage 3: no checkpointing, every block checkpointed, and
     every block checkpointed with its saved input in host memory (``cpu_checkpointing``)."""
     import zkit
 
@@ -85,7 +64,7 @@ def shared_blocks_rank() -> dict:
     out = {}
     for mode in ("plain", "checkpointed", "cpu_checkpointing"):
         ckpt.reset()
-        model = SharedBlocks()
+        model = SharedNet()
         if mode != "plain":
             ckpt.apply(model, "every")
         cfg = _stage3_config(world)

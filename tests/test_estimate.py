@@ -13,6 +13,7 @@ from zkit.models.gpt import GPT, GPTConfig
 from zkit.testing import run_ranks
 
 import engine_ranks as er
+from shared_models import saved_tensor_bytes
 
 #: (stage, dtype, stage3_param_persistence_threshold): TiedNet's units are 12, 42 and 78 elements,
 #: so 50 keeps the two smaller ones gathered
@@ -110,21 +111,6 @@ def test_stage3_shards_cover_the_model_once(modules, world, persistence):
     assert per_rank[0].device.get("gathered_param", 0) <= 2 * (sum(padded) - kept)
 
 
-def _saved_bytes(model, ids) -> int:
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, ids)
-    return sum(seen.values())
-
-
 @pytest.mark.parametrize("dtype, nbytes", ((torch.float32, 4), (torch.bfloat16, 2)))
 @pytest.mark.parametrize("checkpointing", (False, True))
 def test_gpt_activation_estimate_matches_saved_tensors(dtype, nbytes, checkpointing):
@@ -136,7 +122,7 @@ def test_gpt_activation_estimate_matches_saved_tensors(dtype, nbytes, checkpoint
     if checkpointing:
         ckpt.apply(model, "every")
     ids = torch.randint(0, 200, (3, 32))
-    measured = _saved_bytes(model, ids)
+    measured = saved_tensor_bytes(model, ids)
     est = gpt_activation_bytes(cfg, 3, dtype_bytes=nbytes, checkpointing=checkpointing)["saved"]
     assert abs(est - measured) <= 0.01 * measured, (est, measured)
 

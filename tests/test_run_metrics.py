@@ -13,6 +13,8 @@ import zkit.checkpointing as ckpt
 from zkit.models.gpt import GPT, GPTConfig
 from zkit.monitor import StepProbe, format_bytes, format_flops, format_memory_line, format_step_line
 
+from shared_models import saved_tensor_bytes
+
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 BATCH = 2
 
@@ -41,23 +43,6 @@ def _reference_flops(model: torch.nn.Module) -> int:
     with FlopCounterMode(display=False) as counter:
         model(ids, ids).backward()
     return counter.get_total_flops()
-
-
-def _reference_saved_bytes(model: torch.nn.Module) -> int:
-    """Storages autograd keeps for backward, each once, parameters excluded."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params:
-            seen[storage.data_ptr()] = storage.nbytes()
-        return t
-
-    ids = _batch()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(ids, ids)
-    return sum(seen.values())
 
 
 def _train(model: torch.nn.Module, stage: int = 0, steps: int = 2, gas: int = 1, every: int = 2):
@@ -116,7 +101,7 @@ def test_checkpointed_flops_include_the_recomputation():
 @pytest.mark.parametrize("checkpointed", (False, True))
 def test_cpu_activation_figure_is_the_bytes_saved_for_backward(checkpointed):
     engine = _train(_gpt(checkpointed), steps=1, every=1000)
-    assert engine.step_probe.activation_bytes == _reference_saved_bytes(_gpt(checkpointed)) > 0
+    assert engine.step_probe.activation_bytes == saved_tensor_bytes(_gpt(checkpointed), _batch()) > 0
     engine.close()
 
 
