@@ -310,9 +310,29 @@ class Engine(torch.nn.Module):
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
         if not boundary:
             return
+        self.run_optimizer_step()
+        self.global_steps += 1
+        self._after_step()
+
+    def run_optimizer_step(self) -> bool:
+        """Run the optimizer step now, through the ``zkit_optimizer_step`` hook; returns whether it
+        was applied (False when fp16 overflow skipped it). ``step()`` calls it at an accumulation
+        boundary; a ``zkit_train_batch`` implementation that drives its own micro-batches (a
+        pipeline schedule) calls it where its schedule steps."""
         with diagnostics.phase("optimizer.step"):
             self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
+        return self._step_applied
+
+    def finish_global_batch(self, loss: torch.Tensor) -> None:
+        """Account one global batch run by a ``zkit_train_batch`` implementation outside
+        ``forward``/``backward``/``step``: advance the micro-step, sample and step counters as
+        ``gradient_accumulation_steps`` calls of ``step()`` would, and log ``loss`` as the batch's
+        loss in the step line and monitors."""
+        m = self.gradient_accumulation_steps()
+        self.micro_steps += m
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size * m
         self.global_steps += 1
+        self._losses = [loss.detach().float().reshape(())]
         self._after_step()
 
     def apply_step(self) -> bool:

@@ -40,12 +40,7 @@ def zkit_train_batch(engine: Any, data_iter: Any) -> Any:
         runner = _runner_for(engine, module)
         engine._zkit_pipeline_runner = runner
     loss = runner.train_batch(iter(data_iter))
-    m = engine.gradient_accumulation_steps()
-    engine.micro_steps += m
-    engine.global_samples += engine.train_micro_batch_size_per_gpu() * engine.world_size * m
-    engine.global_steps += 1
-    engine._losses = [loss.detach().float()]
-    engine._after_step()
+    engine.finish_global_batch(loss)
     return loss
 
 
@@ -57,14 +52,11 @@ def _runner_for(engine: Any, module: Any) -> Any:
     if record.kind != "step":
         raise ValueError(f"PipelineModule: schedule {name!r} is a {record.kind} scheduler, not a pipeline (step) schedule")
 
-    def step() -> None:
-        engine._step_applied = bool(engine.pm.hook.zkit_optimizer_step(engine=engine))
-
     return PipelineRunner(
         module,
         record.factory,
         engine.gradient_accumulation_steps(),
-        step=step,
+        step=engine.run_optimizer_step,
         partitioner=engine.partitioner,
         loss_scale=lambda: float(engine.loss_scale),
         comm=getattr(engine, "world_comm", None),
