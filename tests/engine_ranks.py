@@ -301,3 +301,50 @@ def rank_skips_collectives() -> str:
     except diagnostics.CollectiveFailed as exc:
         return str(exc)
     return "no error"
+
+
+def overlapped_param_gather(cases: list[tuple[int, str, int]], steps: int = 3) -> dict:
+    """Stages 1-2 with overlap_param_gather: per case the final parameters (read through
+    state_dict, which must wait), the losses, and whether gathers were still in flight after the
+    last step (they should be: the next forward or reader waits)."""
+    world = torch.distributed.get_world_size()
+    out = {}
+    for stage, dtype, gas in cases:
+        cfg = config(stage, dtype, gas, world)
+        cfg["zero_optimization"]["overlap_param_gather"] = True
+        engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+        losses = train_engine(engine, steps, gas, world)
+        in_flight = bool(engine.partitioner.refresh.pending)
+        state = engine.module.state_dict()
+        params = [state[name].detach().float().clone() for name, _ in engine.module.named_parameters()]
+        out[(stage, dtype, gas)] = (params, losses, in_flight)
+        engine.close()
+    return out
+
+
+def overlapped_gather_readers() -> dict:
+    """Every way of reading parameters after a step with gathers in flight waits for them."""
+    world = torch.distributed.get_world_size()
+    cfg = config(2, "fp32", 1, world)
+    cfg["zero_optimization"]["overlap_param_gather"] = True
+    seen = {}
+    engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+    refresh = engine.partitioner.refresh
+    for reader in ("submodule call", "wait_for_parameters", "GatheredParameters", "forward"):
+        train_engine(engine, 1, 1, world)
+        before = bool(refresh.pending)
+        if reader == "submodule call":
+            engine.module.mix(torch.zeros(1, 6))
+        elif reader == "wait_for_parameters":
+            engine.wait_for_parameters()
+        elif reader == "GatheredParameters":
+            from zkit.zero import GatheredParameters
+
+            with GatheredParameters(list(engine.module.parameters())):
+                pass
+        else:
+            ids, labels = global_batches(1, 1, world)
+            engine(ids[:2], labels[:2])
+        seen[reader] = (before, bool(refresh.pending))
+    engine.close()
+    return seen

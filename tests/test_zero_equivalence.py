@@ -75,3 +75,24 @@ def test_fp16_overflow_on_one_rank_skips_everywhere():
     for r in results:
         assert r["applied"] is False and r["skipped"] == 1 and r["unchanged"]
         assert r["scale_after"] == r["scale_before"] / 2
+
+
+def test_overlapped_parameter_gather_matches_torch():
+    """overlap_param_gather defers the all-gathers to the next forward: same numbers as torch."""
+    cases = [(1, "fp32", 1), (2, "fp32", 3), (1, "bf16", 1), (2, "bf16", 1)]
+    results = run_ranks(er.overlapped_param_gather, 2, args=(cases,), timeout=600)
+    for stage, gas in ((1, 1), (2, 3)):
+        ref = er.reference(3, gas, 2)
+        for rank_result in results:
+            params, _, in_flight = rank_result[(stage, "fp32", gas)]
+            assert in_flight, "the last step's all-gathers should still be in flight after step()"
+            assert _max_diff(params, ref) < 1e-5
+    plain = run_ranks(er.stage_matrix, 2, args=([(1, "bf16", 1), (2, "bf16", 1)],), timeout=600)
+    for stage in (1, 2):
+        assert _max_diff(results[0][(stage, "bf16", 1)][0], plain[0][(stage, "bf16", 1)][0]) == 0
+
+
+def test_overlapped_parameter_gather_readers_wait():
+    seen = run_ranks(er.overlapped_gather_readers, 2, timeout=300)[0]
+    for reader, (before, after) in seen.items():
+        assert before and not after, reader

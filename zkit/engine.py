@@ -335,6 +335,13 @@ class Engine(torch.nn.Module):
         self._losses = [loss.detach().float().reshape(())]
         self._after_step()
 
+    def wait_for_parameters(self) -> None:
+        """Block until the parameters hold their values after the last step. Only needed with
+        ``zero_optimization.overlap_param_gather``, by code that reads ``module.parameters()``
+        between ``step()`` and the next forward (an EMA copy, a weight statistic); forward,
+        ``state_dict()``, checkpoints and ``GatheredParameters`` wait on their own."""
+        self.partitioner.wait_for_parameters()
+
     def apply_step(self) -> bool:
         """The optimizer step proper: global norm and overflow check, loss scale, clipping, the
         partitioner's step, the LR schedule. Returns False when the step was skipped."""

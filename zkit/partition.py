@@ -84,6 +84,10 @@ class Partitioner(abc.ABC):
         """Context the engine runs the module's forward in (stage 3 gathers parameters there)."""
         return contextlib.nullcontext()
 
+    def wait_for_parameters(self) -> None:
+        """Block until every parameter holds its current value (a partitioner that refreshes
+        parameters in the background after the step waits for that here)."""
+
     def backward_context(self, boundary: bool) -> contextlib.AbstractContextManager:
         """Context the engine runs ``loss.backward()`` in; ``boundary`` says whether this is the
         last micro-step before an optimizer step (when gradients must be reduced)."""

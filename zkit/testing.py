@@ -93,9 +93,23 @@ def run_ranks(
     env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    for attempt in range(_PORT_ATTEMPTS):
+        try:
+            return _run_ranks_once(fn, world_size, args, kwargs, timeout, threads_per_rank, env, free_port())
+        except RanksFailed as exc:
+            # Another process took the free port between our probe and the rendezvous store's
+            # bind; nothing of fn ran yet, so starting over on a new port is safe.
+            if "EADDRINUSE" not in str(exc) or attempt == _PORT_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+_PORT_ATTEMPTS = 3
+
+
+def _run_ranks_once(fn, world_size, args, kwargs, timeout, threads_per_rank, env, port) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
     child_env = {"OMP_NUM_THREADS": str(threads_per_rank), **(env or {})}
     procs = [
         ctx.Process(

@@ -64,6 +64,12 @@ class ZeroConfig:
         default_doc="true at stage 3, else false",
         doc="Overlap gradient reduction with the backward pass.",
     )
+    overlap_param_gather: bool = setting(
+        False,
+        doc="Stages 1-2: all-gather the updated parameters in the background after the optimizer "
+        "step; the next forward waits for each parameter just before its first use. Code that reads "
+        "parameters between step() and the next forward calls engine.wait_for_parameters() first.",
+    )
     load_from_fp32_weights: bool = setting(
         True, doc="Initialize fp32 master weights from the checkpoint's fp32 copies."
     )

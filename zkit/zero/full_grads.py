@@ -56,7 +56,8 @@ class FullGradientPartitioner(ZeroPartitioner):
         buf = self.grad_bufs[unit]
         if self.comm_dtype == buf.dtype:
             return buf
-        scratch = buf.to(self.comm_dtype)
+        scratch = self.allocator.empty(buf.numel(), self.comm_dtype, "bucket")
+        scratch.copy_(buf)
         self._scratch[unit] = scratch
         return scratch
 
@@ -67,6 +68,7 @@ class FullGradientPartitioner(ZeroPartitioner):
         scratch = self._scratch.pop(unit, None)
         if scratch is not None:
             self._copy_back(unit, scratch)
+            self.allocator.release(scratch, "bucket")
 
     def _copy_back(self, unit: int, scratch: torch.Tensor) -> None:
         self.grad_bufs[unit].copy_(scratch)

@@ -16,6 +16,7 @@ import torch
 
 from zkit import distributed
 from zkit.zero.flat import plan_units
+from zkit.zero.param_refresh import wait_for_parameter_refresh
 from zkit.zero.sharded_params import ShardedUnit, ZeroParameter
 
 
@@ -118,6 +119,7 @@ def GatheredParameters(
         yield
         return
     params = [params] if isinstance(params, torch.Tensor) else list(params)
+    wait_for_parameter_refresh()  # stages 1-2 with overlap_param_gather: values still arriving
     units: list[ShardedUnit] = []
     for p in params:
         su = getattr(p, "_zkit_unit", None)

@@ -11,12 +11,14 @@ unit: the fp32 master copy and the optimizer state of those elements. Stage 0 ow
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
 from zkit.partition import PartitionContext, Partitioner, Piece
 from zkit.zero.flat import Unit, plan_units
+from zkit.zero.param_refresh import ParamRefresh
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -49,6 +51,13 @@ class ZeroPartitioner(Partitioner):
         self._build_param_buffers()
         self._build_master()
         self.optimizer = self._build_optimizer()
+        gathers = self.shards_states and self.world > 1 and self.stage in (1, 2)
+        #: background parameter all-gathers (``overlap_param_gather``), else None: gathers in step()
+        self.refresh = (
+            ParamRefresh(self.module, self.unit_params, self._launch_gather)
+            if gathers and zc.overlap_param_gather
+            else None
+        )
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
         ]
@@ -174,6 +183,7 @@ class ZeroPartitioner(Partitioner):
         return [g.to(device=self.master_device, dtype=torch.float32) for g in shards]
 
     def step(self, grad_factor: float) -> None:
+        self.wait_for_parameters()  # the in-place all-gathers read the shard the step writes
         grads = self._master_grads()
         if grad_factor != 1.0:
             for g in grads:
@@ -191,20 +201,38 @@ class ZeroPartitioner(Partitioner):
         self.publish_params()
 
     def publish_params(self) -> None:
-        """Copy the updated master shard into the model's parameters (and to the other ranks)."""
-        handles = []
-        for u, buf, m in zip(self.units, self.param_bufs, self.master):
-            lo, hi = u.shard_range(self.rank)
-            if not self.master_is_param:
+        """Copy the updated master shard into the model's parameters and all-gather every unit
+        (in the background with ``overlap_param_gather``; see :mod:`zkit.zero.param_refresh`)."""
+        if not self.master_is_param:
+            for u, buf, m in zip(self.units, self.param_bufs, self.master):
+                lo, hi = u.shard_range(self.rank)
                 buf[lo:hi].copy_(m)
-            if self.shards_states and self.world > 1:
-                # in place: the input is this rank's own chunk of the output (gloo and NCCL allow it)
-                handles.append(self.comm.all_gather(buf, buf[lo:hi], async_op=True))
+        if not (self.shards_states and self.world > 1):
+            return
+        if self.refresh is not None:
+            self.refresh.start()
+            return
+        # first layers first (units are laid out in backward order), as the background path does
+        handles = [self._launch_gather(u) for u in reversed(range(len(self.units)))]
         for h in handles:
             h.wait()
 
+    def _launch_gather(self, unit: int):
+        u, buf = self.units[unit], self.param_bufs[unit]
+        lo, hi = u.shard_range(self.rank)
+        # in place: the input is this rank's own chunk of the output (gloo and NCCL allow it)
+        return self.comm.all_gather(buf, buf[lo:hi], async_op=True)
+
+    def wait_for_parameters(self) -> None:
+        if self.refresh is not None:
+            self.refresh.wait()
+
+    def forward_context(self):
+        return self.refresh.forward() if self.refresh is not None else contextlib.nullcontext()
+
     def after_load(self) -> None:
         self.publish_params()
+        self.wait_for_parameters()
 
     # -- state -----------------------------------------------------------------------------------
     def pieces(self) -> list[Piece]:
@@ -224,6 +252,8 @@ class ZeroPartitioner(Partitioner):
         return self.shards_states or self.comm.rank == 0
 
     def close(self) -> None:
+        if self.refresh is not None:
+            self.refresh.close()
         for h in self._hooks:
             h.remove()
         self._hooks = []
