@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from zero_formulas import model_state_bytes, ring_traffic_bytes, traffic_elements  # noqa: E402
+from zero_torch_side import OVERLAP_GATHER, zkit_stage  # noqa: E402
 from zero_workloads import DTYPES, Workload, median_and_spread  # noqa: E402
 
 DEFAULT_DS_PYTHON = "/tmp/dsvenv/bin/python"
@@ -170,11 +171,16 @@ def measure_state(args: argparse.Namespace) -> tuple[Workload, dict[int, dict[in
     return w, out
 
 
+def zkit_contestants() -> list[str]:
+    """zkit's stages, then stages 1-2 with the parameter all-gather overlapped with the forward."""
+    return [f"zkit ZeRO-{s}" for s in STAGES] + [f"zkit ZeRO-{s}{OVERLAP_GATHER}" for s in (1, 2)]
+
+
 def measure_speed(args: argparse.Namespace, shim: str) -> dict[str, dict[str, Any]]:
     """``{dtype: {contestant: [seconds...] | error}}``, rounds interleaved."""
     from zero_torch_side import TORCH_CONTESTANTS, speed_round_ranks
 
-    zkit_names = [f"zkit ZeRO-{s}" for s in STAGES]
+    zkit_names = zkit_contestants()
     out: dict[str, dict[str, Any]] = {}
     for dtype in args.dtypes:
         w = Workload(
@@ -237,7 +243,7 @@ def mark(ok: bool | None) -> str:
 
 
 def build_table(args: argparse.Namespace, state: tuple[Workload, dict] | None, speed: dict[str, dict[str, Any]] | None) -> str:
-    names = [f"zkit ZeRO-{s}" for s in STAGES] + ["torch DDP", "torch ZeRO-opt", "torch FSDP2"]
+    names = zkit_contestants() + ["torch DDP", "torch ZeRO-opt", "torch FSDP2"]
     if args.deepspeed_python:
         names += [f"DeepSpeed ZeRO-{s}" for s in STAGES]
     header = ["contestant"]
@@ -261,7 +267,7 @@ def build_table(args: argparse.Namespace, state: tuple[Workload, dict] | None, s
             ddp = samples.get("torch DDP")
             row.append(f"{med / median_and_spread(ddp)[0]:.2f}" if isinstance(ddp, list) else "")
             if name.startswith("zkit ZeRO-"):
-                ds = samples.get(name.replace("zkit", "DeepSpeed"))
+                ds = samples.get(f"DeepSpeed ZeRO-{zkit_stage(name)}")
                 row.append(f"{med / median_and_spread(ds)[0]:.2f}" if isinstance(ds, list) else "")
             else:
                 row.append("")
@@ -269,8 +275,8 @@ def build_table(args: argparse.Namespace, state: tuple[Workload, dict] | None, s
             w, by_world = state
             psi = w.num_parameters()
             for n, per_stage in by_world.items():
-                if name.startswith("zkit ZeRO-"):
-                    stage = int(name[-1])
+                if name.startswith("zkit ZeRO-") and not name.endswith(OVERLAP_GATHER):
+                    stage = zkit_stage(name)
                     info = per_stage.get(stage, "not run")
                     text, ok = state_cells(stage, psi, n, info, w.bucket_numel * 2)
                     row += [text + mark(ok), comm_cells(stage, psi, n, info, 2)]

@@ -37,6 +37,7 @@ def zkit_config(w: Workload, stage: int) -> dict[str, Any]:
             "stage": stage,
             "reduce_bucket_size": w.bucket_numel,
             "allgather_bucket_size": w.bucket_numel,
+            "overlap_comm": True,  # reduce during backward, as DDP does
         },
         "steps_per_print": 1_000_000,
         "seed": w.seed,
@@ -48,15 +49,26 @@ def zkit_config(w: Workload, stage: int) -> dict[str, Any]:
     return cfg
 
 
-def build_zkit(w: Workload, stage: int) -> Any:
+#: suffix of the zkit contestants that run with ``overlap_param_gather`` (a zkit-only key)
+OVERLAP_GATHER = "+gather"
+
+
+def build_zkit(w: Workload, stage: int, overlap_gather: bool = False) -> Any:
     import zkit
 
-    engine, *_ = zkit.initialize(model=build_model(w), config=zkit_config(w, stage))
+    cfg = zkit_config(w, stage)
+    cfg["zero_optimization"]["overlap_param_gather"] = overlap_gather
+    engine, *_ = zkit.initialize(model=build_model(w), config=cfg)
     return engine
 
 
-def _zkit(w: Workload, stage: int) -> Built:
-    engine = build_zkit(w, stage)
+def zkit_stage(name: str) -> int:
+    """``"zkit ZeRO-2+gather"`` -> 2."""
+    return int(name.removeprefix("zkit ZeRO-")[0])
+
+
+def _zkit(w: Workload, name: str) -> Built:
+    engine = build_zkit(w, zkit_stage(name), name.endswith(OVERLAP_GATHER))
 
     def step(batch: torch.Tensor) -> None:
         loss = engine(batch, batch)
@@ -129,7 +141,7 @@ def _fsdp2(w: Workload) -> Built:
 
 def build_contestant(w: Workload, name: str) -> Built:
     if name.startswith("zkit ZeRO-"):
-        return _zkit(w, int(name.rsplit("-", 1)[1]))
+        return _zkit(w, name)
     return {"torch DDP": _ddp, "torch ZeRO-opt": _zero_redundancy, "torch FSDP2": _fsdp2}[name](w)
 
 

@@ -55,9 +55,7 @@ class Stage2(ZeroPartitioner):
     def _take_bucket(self) -> torch.Tensor:
         if self._free:
             return self._free.pop()
-        # One bucket holds a unit's gradients plus a shard-sized landing area for accumulation.
-        shard = max(u.shard for u in self.units)
-        return self.allocator.empty(self._bucket_numel + shard, self.comm_dtype, "bucket")
+        return self.allocator.empty(self._bucket_numel, self.comm_dtype, "bucket")
 
     def _launch(self, unit: int):
         u = self.units[unit]
@@ -71,7 +69,14 @@ class Stage2(ZeroPartitioner):
                 view.copy_(p.grad.reshape(-1))
                 p.grad = None
         flat[u.numel :].zero_()
-        target = bucket[self._bucket_numel : self._bucket_numel + u.shard] if self.accumulated else self.grad_shards[unit]
+        if self.accumulated:
+            # Later micro-steps reduce in place into the bucket's own chunk (gloo and NCCL allow
+            # an output that is this rank's chunk of the input), then add it to the shard: no
+            # landing area beyond the bucket.
+            lo, hi = u.shard_range(self.rank)
+            target = flat[lo:hi]
+        else:
+            target = self.grad_shards[unit]
         self._launched[unit] = (bucket, target)
         if self.comm.world_size == 1:
             target.copy_(flat)
