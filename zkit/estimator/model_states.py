@@ -10,8 +10,8 @@ by purpose, so it equals ``engine.memory()``:
 * ``grad``: stages 0-1 a full flat gradient buffer per unit in the training dtype (stage 1
   reduce-scatters into the rank's own slice of it, in place); stage 2 only the shard
   (communication dtype);
-* ``bucket`` (stage 2): ``min(units, 2 if overlap_comm else 1)`` buckets of the largest unit plus
-  a shard-sized landing area (communication dtype);
+* ``bucket`` (stage 2): ``min(units, 2 if overlap_comm else 1)`` buckets of the largest unit
+  (communication dtype; later micro-steps reduce in place into the bucket's own chunk);
 * ``optim_state``: the optimizer's per-element state over the *real* elements the rank owns
   (padding has no optimizer parameter).
 
@@ -163,9 +163,9 @@ def model_state_bytes(
             gathered = min(sum(released), largest + int(stage3_prefetch_bucket_size))
             device["gathered_param"] = gathered * p
     if stage >= 2:
-        # reduce-scatter buckets, each the largest unit plus a shard-sized landing area
+        # reduce-scatter buckets, each the largest unit
         buckets = min(len(units), 2 if overlap_comm else 1)
-        device["bucket"] = buckets * (max(u.padded for u in units) + max(u.shard for u in units)) * c
+        device["bucket"] = buckets * max(u.padded for u in units) * c
     if not master_is_param:
         states_side["master"] = shard * 4
     if offloaded and accelerator:
