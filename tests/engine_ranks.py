@@ -348,3 +348,22 @@ def overlapped_gather_readers() -> dict:
         seen[reader] = (before, bool(refresh.pending))
     engine.close()
     return seen
+
+
+def eval_batch_leaves_training_alone() -> dict:
+    """engine.eval_batch: the mean forward loss of gas micro-batches, nothing trained."""
+    world = torch.distributed.get_world_size()
+    engine, *_ = zkit.initialize(model=make_model(), config=config(2, "fp32", 2, world))
+    ids, labels = global_batches(1, 2, world)
+    batches = [(ids[i * 2 : i * 2 + 2], labels[i * 2 : i * 2 + 2]) for i in range(2)]
+    before = params_of(engine)
+    loss = engine.eval_batch(iter(batches))
+    with torch.no_grad():
+        expected = torch.stack([engine(*b) for b in batches]).mean()
+    out = {
+        "loss": loss.item(), "expected": expected.item(), "training": engine.module.training,
+        "unchanged": all(torch.equal(a, b) for a, b in zip(before, params_of(engine))),
+        "steps": engine.global_steps, "grads": [p.grad for p in engine.module.parameters() if p.grad is not None],
+    }
+    engine.close()
+    return out

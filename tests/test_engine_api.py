@@ -4,6 +4,9 @@ import torch
 
 import zkit
 from zkit.plugins import PluginError
+from zkit.testing import run_ranks
+
+import engine_ranks as er
 
 SEED_CONFIG = {
     "train_batch_size": 16,
@@ -132,3 +135,9 @@ def test_stack_overrides_the_config():
     engine, optimizer, *_ = zkit.initialize(model=LossModel(), config=cfg, stack=zkit.Stack(partitioner="zero1", optimizer="sgd"))
     assert engine.records["partitioner"].name == "zero1"
     assert isinstance(optimizer, torch.optim.SGD)
+
+
+def test_eval_batch_is_forward_only():
+    out = run_ranks(er.eval_batch_leaves_training_alone, 2, timeout=300)[0]
+    assert out["loss"] == pytest.approx(out["expected"], rel=1e-6)
+    assert out["training"] and out["unchanged"] and out["steps"] == 0 and not out["grads"]

@@ -385,6 +385,11 @@ class Engine(torch.nn.Module):
             data_iter = self._cycle()
         return self.pm.hook.zkit_train_batch(engine=self, data_iter=data_iter)
 
+    def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """Evaluate one global batch (``gradient_accumulation_steps`` micro-batches) from
+        ``data_iter`` without gradients; returns the mean loss (a pipeline: on every stage)."""
+        return self.pm.hook.zkit_eval_batch(engine=self, data_iter=iter(data_iter))
+
     def _cycle(self) -> Iterator[Any]:
         if not hasattr(self, "_data_cycle"):
             def forever():

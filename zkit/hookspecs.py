@@ -151,6 +151,17 @@ def zkit_train_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
     answer wins."""
 
 
+@hookspec(firstresult=True)
+def zkit_eval_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
+    """Evaluate one global batch without gradients and return its mean loss.
+
+    ``engine.eval_batch(data_iter)`` calls this. The built-in implementation (``trylast``) takes
+    ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and runs the model's forward on
+    each under ``torch.no_grad()`` in eval mode (restoring train mode after). A pipeline plugin
+    answers with a forward-only pass through its stages. No gradient, optimizer state or step
+    counter changes. First non-None answer wins."""
+
+
 @hookspec
 def zkit_before_backward(engine: Engine, loss: Any) -> None:
     """Called by ``engine.backward(loss)`` before the (scaled) loss is back-propagated."""

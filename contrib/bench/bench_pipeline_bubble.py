@@ -6,6 +6,9 @@ The streams are executed by the simulator with unit costs (forward 1, backward 2
 1 + 1; interleaved chunks cost 1/v of that), which is the schedule's own bubble, free of noise.
 
     python contrib/bench/bench_pipeline_bubble.py
+
+The same bubble measured on real ranks, and the activation memory, are in
+``bench_pipeline_measured.py``.
 """
 from __future__ import annotations
 

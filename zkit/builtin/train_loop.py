@@ -1,5 +1,6 @@
 """The default answers to the ``firstresult`` step hooks: one global batch as plain gradient
-accumulation, and the optimizer step of :meth:`zkit.engine.Engine.apply_step`."""
+accumulation, its forward-only evaluation, and the optimizer step of
+:meth:`zkit.engine.Engine.apply_step`."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -27,6 +28,19 @@ def zkit_train_batch(engine, data_iter):
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float())
+    return torch.stack(losses).mean()
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_eval_batch(engine, data_iter):
+    was_training = engine.module.training
+    engine.eval()
+    try:
+        with torch.no_grad():
+            losses = [run_micro_batch(engine, next(data_iter)).detach().float()
+                      for _ in range(engine.gradient_accumulation_steps())]
+    finally:
+        engine.train(was_training)
     return torch.stack(losses).mean()
 
 

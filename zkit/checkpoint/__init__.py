@@ -8,6 +8,9 @@ hold them, so a checkpoint loads at any world size and any stage (resharding hap
 online). Files are written to temporaries and renamed; the tag directory is renamed into place
 whole; ``latest`` is written last: a crash mid-save leaves the previous checkpoint intact. Loading
 uses ``torch.load(weights_only=True)``.
+
+A model split over model-parallel ranks (pipeline stages, tensor slices) writes one such sharded
+checkpoint per part, in ``<dir>/<tag>/<part>/``, under one tag (:mod:`zkit.checkpoint.parts`).
 """
 from zkit.checkpoint.consolidate import consolidate
 from zkit.checkpoint.errors import CheckpointError

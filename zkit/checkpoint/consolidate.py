@@ -132,6 +132,11 @@ def write_consolidated(
 
     where = _checkpoint_directory(Path(checkpoint_dir), tag)
     meta = read_meta(where)
+    if "parts" in meta:
+        raise CheckpointError(
+            f"{where}: the checkpoint holds a model split into model-parallel parts ({', '.join(meta['parts'])}); "
+            f"consolidate one part's directory, e.g. {where / meta['parts'][0]}"
+        )
     sources = _piece_sources(meta, where)
     # Only the extras' shapes and dtypes now; their bytes are read (mapped again) when written.
     first = _module_extras(load_rank_file(where / rank_file(0)), where)

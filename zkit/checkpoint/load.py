@@ -1,5 +1,6 @@
 """Loading a checkpoint at any world size and stage: each rank fills the pieces it owns now from
-the overlapping saved pieces, wherever they are."""
+the overlapping saved pieces, wherever they are (a split model: within its own part's directory,
+at any data-parallel degree)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,6 +11,7 @@ import torch
 from zkit.checkpoint import rng
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import load_rank_file, rank_file, read_meta, resolve_tag
+from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.engine import Engine
@@ -95,6 +97,14 @@ def load_checkpoint(
     tag = resolve_tag(root, tag)
     where = root / tag
     meta = read_meta(where)
+    part = model_part(engine.module)
+    refuse_mismatch(where, meta.get("parts"), part)
+    if part is not None:
+        check_layout(where, meta["layout"], part[1])
+        if part[0] not in meta["parts"]:
+            raise CheckpointError(f"{where}: no part {part[0]!r} in the checkpoint (it has {', '.join(meta['parts'])})")
+        where = where / part[0]
+        meta = read_meta(where)
     _check_params(meta, engine, where)
 
     fillers: dict[str, list[_Filler]] = {}
@@ -138,8 +148,8 @@ def load_checkpoint(
     plugin_state = (mine or first).get("plugins", {})
     engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)
     engine.partitioner.after_load()
-    engine.comm.barrier()
-    return str(where), first.get("client_state", {})
+    getattr(engine, "world_comm", engine.comm).barrier()
+    return str(root / tag), first.get("client_state", {})
 
 
 def _load_module_extras(module: torch.nn.Module, extras: dict[str, torch.Tensor], where: Path) -> None:

@@ -1,4 +1,5 @@
-"""Writing a checkpoint: every rank its pieces, rank 0 the metadata, atomically."""
+"""Writing a checkpoint: every rank its pieces, rank 0 the metadata, atomically (a split model:
+every part's ranks their part, see :mod:`zkit.checkpoint.parts`)."""
 from __future__ import annotations
 
 import shutil
@@ -10,6 +11,7 @@ import torch
 from zkit.checkpoint import rng
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import FORMAT, LATEST, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
+from zkit.checkpoint.parts import model_part
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.engine import Engine
@@ -59,20 +61,27 @@ def _check_client_state(client_state: dict) -> None:
 
 def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_state: dict, save_latest: bool) -> str:
     comm, rank = engine.comm, engine.rank
+    world = getattr(engine, "world_comm", comm)
+    part = model_part(engine.module)
     tag = tag or f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
     root = Path(save_dir)
     final, staging = root / tag, root / f".{tag}.partial"
-    if rank == 0:
+    if world.rank == 0:
         _check_client_state(client_state)
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir()
+    world.barrier()
+    # a split model: each part's data-parallel group writes its own directory
+    target = staging / part[0] if part is not None else staging
+    if part is not None and rank == 0:
+        target.mkdir()
     comm.barrier()
 
-    part = engine.partitioner
-    pieces = part.pieces() if part.writes_checkpoint() else []
+    part_obj = engine.partitioner
+    pieces = part_obj.pieces() if part_obj.writes_checkpoint() else []
     payload: dict[str, Any] = {
         "pieces": [
             {
@@ -95,32 +104,22 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
         ]
         if engine.lr_scheduler is not None:
             payload["lr_scheduler"] = engine.lr_scheduler.state_dict()
-    atomic_torch_save(payload, staging / rank_file(rank))
+    atomic_torch_save(payload, target / rank_file(rank))
     index = comm.all_gather_object([[p.name, p.start, p.end] for p in pieces])
 
     if rank == 0:
-        meta = {
-            "format": FORMAT,
-            "version": VERSION,
-            "tag": tag,
-            "world_size": engine.world_size,
-            "stage": part.stage,
-            "partitioner": engine.records["partitioner"].name,
-            "optimizer": part.ctx.optimizer.name,
-            "dtype": str(engine.dtype).replace("torch.", ""),
-            "global_steps": engine.global_steps,
-            "micro_steps": engine.micro_steps,
-            "global_samples": engine.global_samples,
-            "skipped_steps": engine.skipped_steps,
-            "loss_scaler": engine.loss_scaler.state_dict(),
-            "params": {name: list(p.shape) for name, p in part.named_trainable()},
-            "index": {rank_file(r): entries for r, entries in enumerate(index)},
-            # What a consolidated state dict needs beyond the pieces and module extras: every key
-            # model.state_dict() has (persistent buffers only) and the tied names among them.
-            "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
-            "aliases": tensor_aliases(engine.module),
-        }
-        write_meta(staging / META, meta)
+        meta = _meta(engine, tag, index)
+        if part is not None:
+            meta["part"], meta["layout"] = part
+        write_meta(target / META, meta)
+    if part is not None:
+        names = world.all_gather_object(part[0])  # also the barrier: every part is on disk
+        if world.rank == 0:
+            write_meta(staging / META, {
+                "format": FORMAT, "version": VERSION, "tag": tag, "layout": part[1],
+                "parts": sorted(set(names)), "global_steps": engine.global_steps,
+            })
+    if world.rank == 0:
         old = root / f".{tag}.old"
         if final.exists():
             shutil.rmtree(old, ignore_errors=True)
@@ -129,5 +128,30 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
         shutil.rmtree(old, ignore_errors=True)
         if save_latest:
             atomic_write_bytes(root / LATEST, tag.encode())
-    comm.barrier()
+    world.barrier()
     return str(final)
+
+
+def _meta(engine: "Engine", tag: str, index: list[Any]) -> dict[str, Any]:
+    part = engine.partitioner
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "world_size": engine.world_size,
+        "stage": part.stage,
+        "partitioner": engine.records["partitioner"].name,
+        "optimizer": part.ctx.optimizer.name,
+        "dtype": str(engine.dtype).replace("torch.", ""),
+        "global_steps": engine.global_steps,
+        "micro_steps": engine.micro_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "params": {name: list(p.shape) for name, p in part.named_trainable()},
+        "index": {rank_file(r): entries for r, entries in enumerate(index)},
+        # What a consolidated state dict needs beyond the pieces and module extras: every key
+        # model.state_dict() has (persistent buffers only) and the tied names among them.
+        "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
+        "aliases": tensor_aliases(engine.module),
+    }

@@ -14,7 +14,7 @@ from zkit_pipeline import PipelineModule
 
 TWO_RANK_CASES = [
     (0, "1f1b", False), (1, "1f1b", False), (2, "1f1b", False), (1, "1f1b", True), (0, "zb_h1", True),
-    (2, "interleaved_1f1b", False), (2, "zb_h1", False), (1, "1f1b", "clip"),
+    (2, "interleaved_1f1b", False), (2, "zb_h1", False), (1, "1f1b", "clip"), (0, "1f1b", "tied-clip"),
 ]
 FOUR_RANK_CASES = [
     (0, "1f1b", False), (1, "1f1b", False), (2, "1f1b", False), (1, "1f1b", True), (1, "zb_h1", False),
@@ -63,7 +63,8 @@ def test_two_stages_by_two_replicas_match_single_process(four_ranks, case):
 
 def test_clipping_uses_the_norm_of_the_whole_model(two_ranks, four_ranks):
     """Both stages see the same global norm (the clipped runs above match torch's clip_grad_norm_)."""
-    for results, case in ((two_ranks, (1, "1f1b", "clip")), (four_ranks, (2, "1f1b", "clip"))):
+    for results, case in ((two_ranks, (1, "1f1b", "clip")), (four_ranks, (2, "1f1b", "clip")),
+                          (two_ranks, (0, "1f1b", "tied-clip"))):
         norms = [r[case]["grad_norm"] for r in results]
         assert norms[0] > per.CLIP and norms == pytest.approx([norms[0]] * len(norms), rel=1e-6)
 

@@ -18,7 +18,9 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from zkit_pipeline.grid_norm import install_grid_norm, replication_weights
 from zkit_pipeline.module import PipelineModule
+from zkit_pipeline.probe import StageProbe
 from zkit_pipeline.schedules import (
     Backward,
     BackwardInput,
@@ -33,6 +35,7 @@ from zkit_pipeline.schedules import (
     ReduceTiedGrads,
     SendActivation,
     SendGrad,
+    forward_only,
 )
 from zkit_pipeline.schedules.instructions import is_first_virtual, is_last_virtual, peer_of
 from zkit_pipeline.topology import ProcessGrid
@@ -61,6 +64,7 @@ class PipelineRunner:
         schedule_params: dict[str, Any] | None = None,
         loss_scale: Callable[[], float] | None = None,
         comm: Any = None,
+        probe: "StageProbe | None" = None,
     ) -> None:
         rank = dist.get_rank()
         self.grid = grid or module.grid or ProcessGrid(pipe=module.num_stages, data=dist.get_world_size() // module.num_stages)
@@ -100,7 +104,10 @@ class PipelineRunner:
                 f"backward, before the tied gradients can be summed across stages; use ZeRO stage 0 or 1"
             )
         self.wire = comm  # counts bytes of transfers when given
-        if partitioner is not None and self.grid.degree("pipe") > 1:
+        #: per-instruction timers and saved-activation bytes (off unless a probe is given)
+        self.probe: StageProbe = probe or StageProbe(enabled=False)
+        self._training_channels = True
+        if partitioner is not None and self.grid.degree("pipe") * self.grid.degree("tensor") > 1:
             self._norm_over_stages(partitioner)
         # shapes are exchanged once per channel and cached on both ends
         self._shapes: dict[tuple[str, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
@@ -108,22 +115,9 @@ class PipelineRunner:
 
     def _norm_over_stages(self, partitioner: Any) -> None:
         """Make the partitioner's gradient norm (clipping, fp16 overflow checks) cover the whole
-        model: it reduces over this stage's data-parallel replicas; the squares of the stages'
-        norms are summed over the pipe group."""
-        stage_norm, pipe, module = partitioner.grad_norm, self.comms["pipe"], self.module
-
-        def grad_norm() -> torch.Tensor:
-            if module.ties_stages:
-                raise ValueError(
-                    "PipelineRunner: the global gradient norm (gradient_clipping, fp16 loss scaling) of "
-                    "a model with a TiedLayerSpec shared by several pipeline stages is not supported: "
-                    "the tied gradient would be counted once per stage"
-                )
-            sq = stage_norm().float().reshape(1) ** 2
-            pipe.all_reduce(sq, "sum")
-            return sq.sqrt()[0]
-
-        partitioner.grad_norm = grad_norm  # per instance: the engine asks the partitioner
+        grid, each tensor held on several model-parallel ranks counted once."""
+        weights = replication_weights(self.module, self.grid.degree("tensor"), self.module.tied_copies())
+        install_grid_norm(partitioner, weights, self.comms.get("model"))
 
     # -- point-to-point --------------------------------------------------------------------------
     def _peer_rank(self, inst: CommInstruction) -> int:
@@ -133,10 +127,15 @@ class PipelineRunner:
     def _key(self, inst: CommInstruction, sending: bool) -> tuple[str, int, int]:
         kind = "act" if isinstance(inst, (SendActivation, RecvActivation)) else "grad"
         _, peer_chunk = peer_of(inst, self.module.stage_id, self.module.num_stages)
+        if not self._training_channels:
+            kind += "-eval"  # evaluation batches may have other shapes than training ones
         # both ends name the channel by (kind, sender chunk, receiver chunk)
         return (kind, inst.chunk, peer_chunk) if sending else (kind, peer_chunk, inst.chunk)
 
     def _transfer(self, batch: list[CommInstruction], st: "_State") -> None:
+        self._training_channels = st.train
+        # a sent tensor is held until its send completed, not to the end of the batch
+        st.keep = [(work, t) for work, t in st.keep if not work.is_completed()]
         ops = []
         for inst in batch:
             if isinstance(inst, (SendActivation, SendGrad)):
@@ -149,7 +148,7 @@ class PipelineRunner:
                     self._sent_header.add(key)
                     st.pending.append(dist.isend(_header(t), peer))
                 st.pending.append(dist.isend(t, peer))
-                st.keep.append(t)
+                st.keep.append((st.pending[-1], t))
                 if self.wire is not None:
                     self.wire.account("send", t.numel() * t.element_size())
         for inst in batch:
@@ -171,15 +170,47 @@ class PipelineRunner:
     def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
         """Run the schedule once over ``micro_batches`` micro-batches; return the mean loss (on
         every rank)."""
-        mod, p, s, v = self.module, self.module.num_stages, self.module.stage_id, self.module.virtual_stages
+        mod, p, s = self.module, self.module.num_stages, self.module.stage_id
         stream = list(self.schedule(p, s, self.m, **self.params))
         # The data-parallel reduction starts in the last instruction that produces weight gradients
         # (overlapping its backward), as the engine's last micro-step does. Tied gradients must be
         # summed across stages before that reduction, so with ties it waits for ReduceGrads.
         weight_grads = [i for i, x in enumerate(stream) if isinstance(x, (Backward, BackwardWeight))]
         boundary_at = weight_grads[-1] if weight_grads and not mod.ties_stages else None
-        st = _State()
         mod.train()
+        self._parameters_ready()
+        st = _State(train=True)
+        with self.probe.batch(), self.probe.saved_tensors(mod):
+            self._execute(stream, st, data_iter, boundary_at)
+        return self._mean_loss(st.losses)
+
+    def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """Forward ``micro_batches`` micro-batches through the stages without gradients; return
+        their mean loss (on every rank of the pipe group, from the last stage). Parameters,
+        gradients and the optimizer are untouched; the module's train/eval mode is restored."""
+        mod = self.module
+        stream = list(forward_only(mod.num_stages, mod.stage_id, self.m, virtual_stages=mod.virtual_stages))
+        was_training = mod.training
+        mod.eval()
+        self._parameters_ready()
+        st = _State(train=False)
+        try:
+            with torch.no_grad():
+                self._execute(stream, st, data_iter, None)
+        finally:
+            mod.train(was_training)
+        return self._mean_loss(st.losses)
+
+    def _parameters_ready(self) -> None:
+        """A partitioner that refreshes parameters in the background after its step (ZeRO's
+        ``overlap_param_gather``) is waited for here: the stages' chunks run outside
+        ``engine.forward``, where the engine would wait."""
+        wait = getattr(self.partitioner, "wait_for_parameters", None)
+        if wait is not None:
+            wait()
+
+    def _execute(self, stream: list[Any], st: "_State", data_iter: Iterator[Any], boundary_at: int | None) -> None:
+        mod, p, s, v = self.module, self.module.num_stages, self.module.stage_id, self.module.virtual_stages
         i = 0
         while i < len(stream):
             inst = stream[i]
@@ -196,34 +227,38 @@ class PipelineRunner:
                 st.batches[mb] = next(data_iter)
             elif isinstance(inst, Forward):
                 x = st.batches[mb][0] if first else st.inbox.pop((mb, c, RecvActivation))
-                if not first and x.is_floating_point():
+                if st.train and not first and x.is_floating_point():
                     x.requires_grad_(True)
-                out = mod.forward_chunk(c, x)
+                with self.probe.compute(inst):
+                    out = mod.forward_chunk(c, x)
+                    if last:
+                        loss = mod.loss_fn(out, st.batches[mb][1])
+                        st.losses.append(loss.detach())
+                        out = loss * (self.loss_scale() / self.m)
                 if last:
-                    loss = mod.loss_fn(out, st.batches[mb][1])
-                    st.losses.append(loss.detach())
-                    out = loss * (self.loss_scale() / self.m)
                     st.batches.pop(mb, None)
                 else:
                     st.outbox[(mb, c, SendActivation)] = out
-                st.saved[(mb, c)] = (x, out)
+                if st.train:
+                    st.saved[(mb, c)] = (x, out)
             elif isinstance(inst, (Backward, BackwardInput)):
                 x, out = st.saved[(mb, c)]
                 grad = None if last else st.inbox.pop((mb, c, RecvGrad))
                 if isinstance(inst, Backward):
                     st.saved.pop((mb, c))
-                    with self._weight_grads(i == boundary_at):
+                    with self._weight_grads(i == boundary_at), self.probe.compute(inst):
                         torch.autograd.backward(out, grad)
                     gx = x.grad if not first else None
                 else:  # input gradient only: no parameter's .grad is touched
                     st.grads[(mb, c)] = grad
-                    gx = None if first else torch.autograd.grad(out, x, grad, retain_graph=True)[0]
+                    with self.probe.compute(inst):
+                        gx = None if first else torch.autograd.grad(out, x, grad, retain_graph=True)[0]
                 if not first:
                     st.outbox[(mb, c, SendGrad)] = gx
             elif isinstance(inst, BackwardWeight):
                 x, out = st.saved.pop((mb, c))
                 params = [q for q in mod.chunks[c].parameters() if q.requires_grad]
-                with self._weight_grads(i == boundary_at):
+                with self._weight_grads(i == boundary_at), self.probe.compute(inst):
                     if params:
                         torch.autograd.backward(out, st.grads.pop((mb, c)), inputs=params)
             elif isinstance(inst, ReduceTiedGrads):
@@ -239,7 +274,6 @@ class PipelineRunner:
             i += 1
         for work in st.pending:
             work.wait()
-        return self._mean_loss(st.losses)
 
     @contextlib.contextmanager
     def _weight_grads(self, boundary: bool) -> Iterator[None]:
@@ -280,9 +314,10 @@ class PipelineRunner:
 
 
 class _State:
-    """Tensors in flight during one global batch."""
+    """Tensors in flight during one global batch (``train``: with backward, else forward only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, train: bool) -> None:
+        self.train = train
         self.batches: dict[int, Any] = {}
         self.saved: dict[tuple[int, int], tuple[Any, torch.Tensor]] = {}
         self.grads: dict[tuple[int, int], torch.Tensor | None] = {}
@@ -290,7 +325,7 @@ class _State:
         self.outbox: dict[tuple, Any] = {}
         self.losses: list[torch.Tensor] = []
         self.pending: list[Any] = []
-        self.keep: list[torch.Tensor] = []
+        self.keep: list[tuple[Any, torch.Tensor]] = []
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:

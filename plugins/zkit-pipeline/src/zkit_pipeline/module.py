@@ -248,6 +248,28 @@ class PipelineModule(nn.Module):
                         self._tied_comms[key].broadcast(p.data, src=ranks[0])
 
     @property
+    def model_parallel_part(self) -> tuple[str, dict[str, Any]] | None:
+        """The part of the model this rank holds, for checkpoints: (name, layout of all parts);
+        None without torch.distributed. Each stage's data-parallel replicas write one part."""
+        if self.grid is None:
+            return None
+        tensor = self.grid.degree("tensor")
+        name = f"pipe{self.stage_id:02d}"
+        if tensor > 1:
+            name += f"-tensor{self.grid.coord(dist.get_rank()).tensor:02d}"
+        layout = {"pipe": self.num_stages, "tensor": tensor, "virtual_stages": self.virtual_stages,
+                  "layer_bounds": list(self.bounds)}
+        return name, layout
+
+    def tied_copies(self) -> dict[int, int]:
+        """``{id(param): stages}`` for the parameters of tied modules shared with other stages."""
+        return {
+            id(p): len(self.tied_stages[key])
+            for key in self._tied_comms
+            for p in self.tied_modules[key].parameters()
+        }
+
+    @property
     def ties_stages(self) -> bool:
         """Whether this rank holds a tied module shared with another pipeline stage."""
         return bool(self._tied_comms)

@@ -25,42 +25,59 @@ def zkit_register_schedulers():
 
 
 @zkit.hookimpl
+def zkit_engine_setup(engine: Any) -> None:
+    """Grid-wide gradient norm for split models."""
+    from zkit_pipeline import engine_api
+
+    engine_api.setup(engine)
+
+
+@zkit.hookimpl
+def zkit_eval_batch(engine: Any, data_iter: Any) -> Any:
+    """Answer ``engine.eval_batch`` when ``engine.module`` is a PipelineModule: forward only
+    through the stages, the mean loss on every stage."""
+    from zkit_pipeline import engine_api
+    from zkit_pipeline.module import PipelineModule
+
+    if not isinstance(getattr(engine, "module", None), PipelineModule):
+        return None
+    return engine_api.eval_batch(engine, data_iter)
+
+
+@zkit.hookimpl
 def zkit_train_batch(engine: Any, data_iter: Any) -> Any:
     """Answer ``engine.train_batch`` when ``engine.module`` is a PipelineModule: one global batch
     of ``gradient_accumulation_steps`` micro-batches through the module's schedule, the optimizer
     step through the engine's ``zkit_optimizer_step`` hook, and the engine's counters and step log
     advanced as ``engine.step`` would."""
+    from zkit_pipeline import engine_api
     from zkit_pipeline.module import PipelineModule
 
-    module = getattr(engine, "module", None)
-    if not isinstance(module, PipelineModule):
+    if not isinstance(getattr(engine, "module", None), PipelineModule):
         return None
-    runner = getattr(engine, "_zkit_pipeline_runner", None)
-    if runner is None:
-        runner = _runner_for(engine, module)
-        engine._zkit_pipeline_runner = runner
-    loss = runner.train_batch(iter(data_iter))
-    engine.finish_global_batch(loss)
-    return loss
+    return engine_api.train_batch(engine, data_iter)
 
 
-def _runner_for(engine: Any, module: Any) -> Any:
-    from zkit_pipeline.interpreter import PipelineRunner
+@zkit.hookimpl
+def zkit_checkpoint_save(engine: Any) -> dict[str, Any] | None:
+    """This rank's tensor-parallel RNG states (dropout on split activations), when it has any."""
+    from zkit_pipeline.tensor_parallel.rng import get_rng_tracker
 
-    name = module.schedule
-    record = engine.pm.lookup("scheduler", name)
-    if record.kind != "step":
-        raise ValueError(f"PipelineModule: schedule {name!r} is a {record.kind} scheduler, not a pipeline (step) schedule")
+    states = get_rng_tracker().states
+    if not states:
+        return None
+    return {"rng_tracker": {name: cpu for name, (cpu, _) in states.items()}}
 
-    return PipelineRunner(
-        module,
-        record.factory,
-        engine.gradient_accumulation_steps(),
-        step=engine.run_optimizer_step,
-        partitioner=engine.partitioner,
-        loss_scale=lambda: float(engine.loss_scale),
-        comm=getattr(engine, "world_comm", None),
-    )
+
+@zkit.hookimpl
+def zkit_checkpoint_load(engine: Any, state: dict[str, Any]) -> None:
+    from zkit_pipeline.tensor_parallel.rng import get_rng_tracker
+
+    saved = (state or {}).get("rng_tracker")
+    if saved:
+        tracker = get_rng_tracker()
+        for name, cpu in saved.items():
+            tracker.states[name] = (cpu, tracker.states.get(name, (None, None))[1])
 
 
 @zkit.hookimpl

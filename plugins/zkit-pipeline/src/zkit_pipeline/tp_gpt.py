@@ -136,3 +136,27 @@ class TensorParallelGPT(nn.Module):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, self.comm).mean()
+
+
+def _tied_logits(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
+    """The LM head of :func:`pipeline_layers`: logits from the tied token embedding."""
+    return F.linear(copy_to_group(x, embedding.tokens.comm), embedding.tokens.weight)
+
+
+def pipeline_layers(cfg: GPTConfig, comm: Any = None) -> list[Any]:
+    """The same GPT as a layer list for :class:`~zkit_pipeline.PipelineModule`: the embedding
+    (tokens and positions) is a :class:`~zkit_pipeline.TiedLayerSpec` that the LM head on the last
+    stage uses again, so it starts from the same weights as ``TensorParallelGPT(cfg)``."""
+    from zkit_pipeline.module import LayerSpec, TiedLayerSpec
+
+    return [
+        TiedLayerSpec("embed", Embedding, cfg, comm),
+        *(LayerSpec(Block, cfg, comm, i) for i in range(cfg.n_layers)),
+        LayerSpec(nn.LayerNorm, cfg.d_model),
+        TiedLayerSpec("embed", Embedding, cfg, comm, forward_fn=_tied_logits),
+    ]
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor, comm: Any = None) -> torch.Tensor:
+    """Mean next-token loss of (vocab-parallel) logits."""
+    return vocab_parallel_cross_entropy(logits, targets, comm).mean()

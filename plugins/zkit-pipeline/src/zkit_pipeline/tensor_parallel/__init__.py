@@ -6,6 +6,7 @@ from zkit_pipeline.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
+    mark_tensor_parallel,
     normal_init,
 )
 from zkit_pipeline.tensor_parallel.mappings import (
@@ -14,6 +15,7 @@ from zkit_pipeline.tensor_parallel.mappings import (
     reduce_from_group,
     scatter_to_group,
 )
+from zkit_pipeline.tensor_parallel.module import TensorParallelModule
 from zkit_pipeline.tensor_parallel.rng import (
     RNGStatesTracker,
     get_rng_tracker,
@@ -24,10 +26,12 @@ __all__ = [
     "ColumnParallelLinear",
     "RNGStatesTracker",
     "RowParallelLinear",
+    "TensorParallelModule",
     "VocabParallelEmbedding",
     "copy_to_group",
     "gather_from_group",
     "get_rng_tracker",
+    "mark_tensor_parallel",
     "model_parallel_seed",
     "normal_init",
     "reduce_from_group",

@@ -10,6 +10,9 @@
 
 Weights are initialised whole from ``seed`` and sliced, so any tensor-parallel degree (1 included)
 starts from the very same model; :meth:`from_dense` slices an existing layer.
+
+Sliced parameters carry ``tensor_parallel = True``; every other parameter of a tensor-parallel model
+is replicated over the tensor group, which the global gradient norm counts once.
 """
 from __future__ import annotations
 
@@ -27,6 +30,13 @@ from zkit_pipeline.tensor_parallel.mappings import (
 )
 
 Init = Callable[[torch.Tensor, torch.Generator], None]
+
+
+def mark_tensor_parallel(*params: nn.Parameter | None) -> None:
+    """Mark parameters as sliced over the tensor group (each rank holds a different part)."""
+    for p in params:
+        if p is not None:
+            p.tensor_parallel = True
 
 
 def normal_init(std: float = 0.02) -> Init:
@@ -72,6 +82,7 @@ class ColumnParallelLinear(nn.Module):
         init = init or normal_init()
         self.weight = nn.Parameter(_full_then_slice((out_features, in_features), 0, rank, size, seed, init, dtype))
         self.bias = nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype)) if bias else None
+        mark_tensor_parallel(self.weight, self.bias)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, comm: Any = None, *, gather_output: bool = False) -> "ColumnParallelLinear":
@@ -107,7 +118,8 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         init = init or normal_init()
         self.weight = nn.Parameter(_full_then_slice((out_features, in_features), 1, rank, size, seed, init, dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None  # replicated
+        mark_tensor_parallel(self.weight)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, comm: Any = None, *, input_is_parallel: bool = True) -> "RowParallelLinear":
@@ -143,6 +155,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = rank * per, (rank + 1) * per
         init = init or normal_init()
         self.weight = nn.Parameter(_full_then_slice((num_embeddings, embedding_dim), 0, rank, size, seed, init, dtype))
+        mark_tensor_parallel(self.weight)
 
     @classmethod
     def from_dense(cls, embedding: nn.Embedding, comm: Any = None) -> "VocabParallelEmbedding":

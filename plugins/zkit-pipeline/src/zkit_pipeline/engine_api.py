@@ -1,0 +1,78 @@
+"""What the plugin adds to a zkit engine whose model is split over a process grid.
+
+* ``engine.train_batch(data_iter)`` of a :class:`PipelineModule` runs its schedule (hook
+  ``zkit_train_batch``).
+* ``engine.eval_batch(data_iter)`` (DeepSpeed's API) of a :class:`PipelineModule`: forward only
+  through the stages, the mean loss of ``gradient_accumulation_steps`` micro-batches on every stage
+  (hook ``zkit_eval_batch``; ``zkit_pipeline.eval_batch(engine, data_iter)`` is the same call as a
+  function).
+* The global gradient norm (clipping, fp16 overflow checks) covers the whole grid, parameters held
+  whole on several model-parallel ranks counted once (:mod:`zkit_pipeline.grid_norm`).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+
+from zkit_pipeline.grid_norm import install_grid_norm, replication_weights
+from zkit_pipeline.module import PipelineModule
+from zkit_pipeline.tensor_parallel.module import TensorParallelModule
+
+
+def setup(engine: Any) -> None:
+    """Called when an engine is built: grid-wide gradient norm, the pipeline runner."""
+    module = engine.module
+    if isinstance(module, TensorParallelModule):
+        from zkit.builtin.comm_torch import TorchCommunicator
+
+        weights = replication_weights(module, module.grid.degree("tensor"), {})
+        model = module.grid_groups["model"]
+        install_grid_norm(engine.partitioner, weights, TorchCommunicator(model, None))
+    elif isinstance(module, PipelineModule):
+        if module.grid is not None and module.grid.degree("pipe") * module.grid.degree("tensor") > 1:
+            runner(engine)  # collective: every rank builds it at setup, not at its first batch
+
+
+def runner(engine: Any) -> Any:
+    """The engine's :class:`~zkit_pipeline.interpreter.PipelineRunner`, built on first use."""
+    existing = getattr(engine, "_zkit_pipeline_runner", None)
+    if existing is not None:
+        return existing
+    from zkit_pipeline.interpreter import PipelineRunner
+
+    module = engine.module
+    name = module.schedule
+    record = engine.pm.lookup("scheduler", name)
+    if record.kind != "step":
+        raise ValueError(f"PipelineModule: schedule {name!r} is a {record.kind} scheduler, not a pipeline (step) schedule")
+    engine._zkit_pipeline_runner = PipelineRunner(
+        module,
+        record.factory,
+        engine.gradient_accumulation_steps(),
+        step=engine.run_optimizer_step,
+        partitioner=engine.partitioner,
+        loss_scale=lambda: float(engine.loss_scale),
+        comm=getattr(engine, "world_comm", None),
+    )
+    return engine._zkit_pipeline_runner
+
+
+def train_batch(engine: Any, data_iter: Iterable[Any]) -> torch.Tensor:
+    loss = runner(engine).train_batch(iter(data_iter))
+    engine.finish_global_batch(loss)
+    return loss
+
+
+def eval_batch(engine: Any, data_iter: Iterable[Any]) -> torch.Tensor:
+    """Evaluate one global batch of a :class:`PipelineModule` engine: ``gradient_accumulation_steps``
+    micro-batches ``(inputs, labels)`` from ``data_iter`` forward through the stages in
+    ``torch.no_grad()`` and eval mode; returns their mean loss on every stage (broadcast from the
+    last stage over the pipe group; each data-parallel replica its own). No gradient, optimizer
+    state or step counter changes."""
+    if not isinstance(engine.module, PipelineModule):
+        raise TypeError(
+            f"eval_batch runs a PipelineModule through its stages; this engine's model is a "
+            f"{type(engine.module).__name__} (evaluate it with engine(inputs) under torch.no_grad())"
+        )
+    return runner(engine).eval_batch(iter(data_iter))
