@@ -76,3 +76,58 @@ def test_plugin_registers_under_simulator_and_reports():
     assert record.state_names == ("exp_avg", "exp_avg_sq")
     ((topic, text),) = list(plugin.zkit_report())
     assert topic == "zkit-cuda-numba" and "simulator" in text
+
+
+def _step(opt, params, grads):
+    for p, g in zip(params, grads):
+        p.grad = g.clone().to(p.dtype)
+    opt.step()
+
+
+def test_load_state_dict_restores_flat_views_and_step():
+    gen = torch.Generator().manual_seed(2)
+    grads = [[torch.randn(p.shape, generator=gen) for p in _params()] for _ in range(4)]
+    ref = _params()
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2, weight_decay=0.1)
+    ours = _params()
+    opt = FusedAdamCUDA(ours, lr=1e-2, weight_decay=0.1)
+    for g in grads[:2]:
+        _step(opt, ours, g)
+        _step(ref_opt, ref, g)
+    saved = opt.state_dict()
+    assert float(saved["state"][1]["step"]) == 2.0
+
+    # A fresh optimizer over parameters holding the same values, then the checkpoint.
+    resumed = [p.detach().clone().requires_grad_() for p in ours]
+    opt2 = FusedAdamCUDA(resumed, lr=5.0, weight_decay=0.1)  # lr comes back from the checkpoint
+    opt2.load_state_dict(saved)
+    assert opt2.step_count == 2 and opt2.param_groups[0]["lr"] == 1e-2
+    assert opt2.state[resumed[0]]["exp_avg"].data_ptr() == opt2.exp_avg.data_ptr()
+    torch.testing.assert_close(opt2.exp_avg, opt.exp_avg)
+    for g in grads[2:]:
+        _step(opt2, resumed, g)
+        _step(ref_opt, ref, g)
+    for p, q in zip(resumed, ref):
+        torch.testing.assert_close(p.detach(), q.detach(), atol=1e-6, rtol=1e-5)
+
+
+def test_load_state_dict_from_torch_adamw_and_errors():
+    gen = torch.Generator().manual_seed(3)
+    ref = _params()
+    ref_opt = torch.optim.AdamW(ref, lr=1e-2)
+    _step(ref_opt, ref, [torch.randn(p.shape, generator=gen) for p in ref])
+    ours = [p.detach().clone().requires_grad_() for p in ref]
+    opt = FusedAdamCUDA(ours, lr=1e-2)
+    opt.load_state_dict(ref_opt.state_dict())
+    g = [torch.randn(p.shape, generator=gen) for p in ref]
+    _step(opt, ours, g)
+    _step(ref_opt, ref, g)
+    torch.testing.assert_close(ours[1].detach(), ref[1].detach(), atol=1e-6, rtol=1e-5)
+
+    bad = ref_opt.state_dict()
+    bad["state"][1] = {**bad["state"][1], "step": torch.tensor(7.0)}
+    with pytest.raises(ValueError, match="different step counts"):
+        FusedAdamCUDA(_params()).load_state_dict(bad)
+    bad["state"][1] = {"exp_avg": bad["state"][1]["exp_avg"], "step": torch.tensor(1.0)}
+    with pytest.raises(ValueError, match="parameter 1 has no 'exp_avg_sq'"):
+        FusedAdamCUDA(_params()).load_state_dict(bad)

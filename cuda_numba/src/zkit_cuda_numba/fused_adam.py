@@ -10,6 +10,11 @@ used in place when they already are views of it (after the first step, as long a
 
 ``step()`` returns ``True`` when the update was applied and ``False`` when it was skipped because
 a gradient was inf/NaN (checked, fused with the unscale, when ``grad_scale`` is given).
+
+``state_dict()`` has torch Adam's layout (``exp_avg``, ``exp_avg_sq``, ``step`` per parameter), so
+checkpoints move between this optimizer and ``torch.optim.Adam``/``AdamW``; ``load_state_dict``
+copies the moments into the flat buffers (the state entries stay views of them, so the kernel
+steps the loaded values) and refreshes the fp32 master of 16-bit parameters from the parameters.
 """
 from __future__ import annotations
 
@@ -64,14 +69,17 @@ class FusedAdamCUDA(torch.optim.Optimizer):
         starts, ends, groups = [], [], []
         offset = 0
         self._grad_views = []
+        self._state_views = []
         for gi, group in enumerate(self.param_groups):
             for p in group["params"]:
                 n = p.numel()
                 self.flat_params[offset:offset + n].copy_(p.detach().reshape(-1))
                 p.data = self.flat_params[offset:offset + n].view_as(p)
                 self._grad_views.append(self.flat_grads[offset:offset + n].view_as(p))
-                self.state[p]["exp_avg"] = self.exp_avg[offset:offset + n].view_as(p)
-                self.state[p]["exp_avg_sq"] = self.exp_avg_sq[offset:offset + n].view_as(p)
+                views = {"exp_avg": self.exp_avg[offset:offset + n].view_as(p),
+                         "exp_avg_sq": self.exp_avg_sq[offset:offset + n].view_as(p)}
+                self._state_views.append(views)
+                self.state[p].update(views)
                 for lo in range(offset, offset + n, _CHUNK):
                     starts.append(lo)
                     ends.append(min(lo + _CHUNK, offset + n))
@@ -82,6 +90,46 @@ class FusedAdamCUDA(torch.optim.Optimizer):
         self._chunks = (as_dev(starts, torch.int64), as_dev(ends, torch.int64),
                         as_dev(groups, torch.int32))
         self._found_inf = torch.zeros(1, dtype=torch.int32, device=device)
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torch Adam's layout: per parameter ``exp_avg``, ``exp_avg_sq`` (views of the flat
+        buffers) and ``step``."""
+        sd = super().state_dict()
+        step = torch.tensor(float(self.step_count))
+        sd["state"] = {i: {**st, "step": step} for i, st in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load hyper-parameters and moments (from this optimizer or torch's Adam/AdamW).
+
+        The moments are copied into the flat fp32 buffers the kernel steps; a parameter without
+        saved state starts from zero moments. All parameters must share one step count.
+        """
+        saved_state = state_dict["state"]
+        super().load_state_dict(state_dict)  # hyper-parameters, group and size checks
+        params = [p for g in self.param_groups for p in g["params"]]
+        indices = [i for g in state_dict["param_groups"] for i in g["params"]]
+        steps = set()
+        for i, p, views in zip(indices, params, self._state_views):
+            st = saved_state.get(i)
+            for name, view in views.items():
+                if st is None:
+                    view.zero_()
+                elif name not in st:
+                    raise ValueError(f"FusedAdamCUDA.load_state_dict: parameter {i} has no {name!r} "
+                                     f"in its state (keys: {sorted(st)})")
+                else:
+                    view.copy_(st[name])
+            if st is not None:
+                steps.add(int(st["step"]) if "step" in st else 0)
+            self.state[p] = dict(views)  # views of the flat buffers, not the loaded copies
+        if len(steps) > 1:
+            raise ValueError(f"FusedAdamCUDA.load_state_dict: parameters have different step counts "
+                             f"{sorted(steps)}; one flat optimizer steps them all together")
+        self.step_count = steps.pop() if steps else 0
+        if self.master is not self.flat_params:
+            self.master.copy_(self.flat_params)
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Zero the flat gradient buffer in place (``set_to_none=True`` drops the gradients; the

@@ -24,10 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from zkit_sparse.block_attention_torch import MaskSpec, block_sparse_attention
-from zkit_sparse.block_lut import BlockLUT, build_lut
+from zkit_sparse.block_lut import BlockLUT, build_lut, compress_heads
 from zkit_sparse.layouts import SparsityConfig
+from zkit_sparse.reusable_buffer import ReusableBuffer
 
 _MASK_MODES = ("add", "mul")
+#: Fixed cost of one row bucket of the PyTorch path (about 25 tensor ops of ~10 us on one CPU
+#: core), in flops; weighed against the flops a pad slot wastes when buckets are chosen.
+_BUCKET_OVERHEAD_FLOPS = 1.0e7
 
 
 def _additive(mask: torch.Tensor, mode: str, name: str) -> torch.Tensor:
@@ -66,7 +70,12 @@ class SparseSelfAttention(torch.nn.Module):
             exactly as DeepSpeed does.
         causal: mask future keys; ``None`` = the layout's ``attention == "unidirectional"``.
         dropout: attention-probability dropout, applied in training mode.
-        workspace_elems: score elements per chunk of the PyTorch path (bounds its extra memory).
+        workspace_elems: score elements per chunk of the PyTorch path (bounds its working memory
+            beyond the saved probabilities).
+        save_probs: the PyTorch path keeps the block-sparse probabilities for the backward
+            (fastest; memory grows with nonzero blocks x ``block**2``). ``False`` recomputes them
+            in the backward, FlashAttention-style: memory O(seq x head_dim) plus one chunk, one
+            more block matmul per nonzero block.
         use_kernels: ``None`` = Numba-CUDA kernels for CUDA tensors when available; ``False``
             forces the PyTorch path; ``True`` makes a missing kernel an error.
     """
@@ -80,7 +89,8 @@ class SparseSelfAttention(torch.nn.Module):
         *,
         causal: bool | None = None,
         dropout: float = 0.0,
-        workspace_elems: int = 1 << 22,
+        workspace_elems: int = 1 << 21,
+        save_probs: bool = True,
         use_kernels: bool | None = None,
     ):
         super().__init__()
@@ -102,10 +112,18 @@ class SparseSelfAttention(torch.nn.Module):
             causal = getattr(sparsity_config, "attention", "bidirectional") == "unidirectional"
         self.causal = bool(causal)
         self.dropout = float(dropout)
+        if workspace_elems < 1:
+            raise ValueError(f"workspace_elems must be >= 1, got {workspace_elems}")
         self.workspace_elems = int(workspace_elems)
+        self.save_probs = bool(save_probs)
         self.use_kernels = use_kernels
         self.master_layout = sparsity_config.make_layout(max_seq_length)
         self._luts: dict[tuple, object] = {}
+        self._prob_buffer = ReusableBuffer()  # saved probabilities, reused from step to step
+
+    def release_buffers(self) -> None:
+        """Free the probability buffer kept between steps (it is allocated again when needed)."""
+        self._prob_buffer.release()
 
     def extra_repr(self) -> str:
         return (f"{self.sparsity_config!r}, max_seq_length={self.max_seq_length}, "
@@ -131,8 +149,12 @@ class SparseSelfAttention(torch.nn.Module):
     def lut(self, seq_len: int, device: torch.device) -> BlockLUT:
         key = (seq_len, device)
         if key not in self._luts:
-            self._luts[key] = build_lut(self.layout(seq_len), self.sparsity_config.block,
-                                        self.causal).to(device)
+            layout, block = self.layout(seq_len), self.sparsity_config.block
+            heads_per_row = self.sparsity_config.num_heads / compress_heads(layout).shape[0]
+            # flops of one pad slot: six block matmuls, head_dim 64 assumed, batch 1
+            slot_flops = 12 * block * block * 64 * heads_per_row
+            self._luts[key] = build_lut(layout, block, self.causal,
+                                        bucket_overhead=_BUCKET_OVERHEAD_FLOPS / slot_flops).to(device)
         return self._luts[key]
 
     # -- forward ----------------------------------------------------------------------------
@@ -186,7 +208,7 @@ class SparseSelfAttention(torch.nn.Module):
             raise RuntimeError("use_kernels=True needs CUDA tensors; got tensors on "
                                f"{query.device}")
         return block_sparse_attention(query, key, value, lut, masks, scale, dropout,
-                                      self.workspace_elems)
+                                      self.workspace_elems, self.save_probs, self._prob_buffer)
 
     def _dense(self, q, k, v, kp, am, scale, dropout):
         if kp is None and am is None:

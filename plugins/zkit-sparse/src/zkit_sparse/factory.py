@@ -9,7 +9,8 @@ from zkit_sparse.attention import SparseSelfAttention
 from zkit_sparse.config import SparseAttentionConfig
 from zkit_sparse.layouts import SparsityConfig
 
-_MODULE_KEYS = ("key_padding_mask_mode", "attn_mask_mode", "workspace_elems", "use_kernels")
+_MODULE_KEYS = ("key_padding_mask_mode", "attn_mask_mode", "workspace_elems", "save_probs",
+                "use_kernels")
 
 
 def make_block_sparse_attention(
