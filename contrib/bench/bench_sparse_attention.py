@@ -11,6 +11,9 @@ Variants:
                   memory linear in the sequence, but it computes every block)
   dense-masked    SDPA with the layout materialised as a [T, T] boolean mask: what the same
                   sparsity pattern costs with dense attention
+  dense-eager     softmax(Q K^T / sqrt(d) + mask) V written out, the scores materialised per head
+                  (attention before fused kernels, and DeepSpeed's baseline for its sparse
+                  attention's "longer sequences" figures): memory quadratic in the sequence
 
 Layouts hold ~10 % of the blocks at seq 8192 with the same token pattern at block 32 and 64:
 fixed (unidirectional, 512-token local windows, 64 global tokens per window) and bigbird
@@ -33,7 +36,7 @@ import sys
 
 import numpy as np
 
-VARIANTS = ("sparse", "sparse-recomp", "dense", "dense-masked")
+VARIANTS = ("sparse", "sparse-recomp", "dense", "dense-masked", "dense-eager")
 
 CASE = r"""
 import json, os, resource, sys, time
@@ -79,6 +82,9 @@ def call(name):
         mask = layout[0].repeat_interleave(blk, 0).repeat_interleave(blk, 1)
         if causal:
             mask &= torch.ones(T, T, dtype=torch.bool).tril()
+    if name == "dense-eager":
+        scores = (q @ k.transpose(-1, -2)) * D**-0.5
+        return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
