@@ -96,6 +96,8 @@ MEMORY_FIELDS = (
     ("param_bytes", "params"),
     ("grad_bytes", "grads"),
     ("optim_state_bytes", "optim"),
+    ("optim_state_nvme_bytes", "optim_nvme"),
+    ("param_nvme_bytes", "params_nvme"),
     ("master_bytes", "master"),
     ("master_grad_bytes", "master_grads"),
     ("bucket_bytes", "buckets"),

@@ -7,6 +7,13 @@ expanded to the shape, so ``p.shape`` still answers) and are instances of :class
 whose ``__torch_function__`` gathers a released parameter on use while a stage-3 engine runs its
 forward or backward, and otherwise raises an error that says what to do instead of computing with
 garbage.
+
+A shard normally is a tensor in memory (``ShardedUnit.shard``: on the device, or on the host when
+an allocator places purpose ``"param"`` there). An offload allocator may instead keep it in a
+*shard store* (``ShardedUnit.store``: NVMe files read into a few host buffers), which this module
+reaches only through :meth:`ShardedUnit.local_shard`, :meth:`~ShardedUnit.prefetch_shard`,
+:meth:`~ShardedUnit.set_shard` and the store's ``release``. The gathered full buffer always lives on
+the training device.
 """
 from __future__ import annotations
 
@@ -136,6 +143,9 @@ class ShardedUnit:
         self.persistent = False
         #: the fp32 master of this shard when it is a separate copy (set by the stage-3 partitioner).
         self.master: torch.Tensor | None = None
+        #: where the shard lives when it is not ``shard`` (an offload allocator's store); None: ``shard``.
+        self.store: Any = None
+        self._gather_src: torch.Tensor | None = None
         for p in params:
             p.__class__ = ZeroParameter
             p._zkit_unit = self
@@ -167,20 +177,54 @@ class ShardedUnit:
     def gathered(self) -> bool:
         return self.full is not None and self.handle is None
 
+    def local_shard(self) -> torch.Tensor:
+        """This rank's shard in memory: ``shard`` itself, or the store's resident copy (waits for
+        its read; the store keeps it until the gather that uses it is done)."""
+        return self.shard if self.store is None else self.store.get(self)
+
+    def prefetch_shard(self) -> None:
+        """Start reading a stored shard ahead of its gather (nothing to do for one in memory)."""
+        if self.store is not None and self.full is None:
+            self.store.prefetch(self)
+
+    def set_shard(self, values: torch.Tensor) -> None:
+        """New values of this rank's shard (after an optimizer step or an edit)."""
+        if self.store is None:
+            self.shard.copy_(values)
+        else:
+            self.store.put(self, values)
+
     def fetch(self) -> None:
         """Start gathering (asynchronously) unless gathered or on its way."""
         if self.full is not None:
             return
-        self.full = self.allocator.empty(self.unit.padded, self.shard.dtype, "param")
-        self.handle = self.comm.all_gather(self.full, self.shard, async_op=True)
+        src = self.local_shard()
+        # The gathered parameters are computed with: on the training device, wherever shards live.
+        device = self.allocator.device
+        self.full = torch.empty(self.unit.padded, dtype=self.shard_dtype, device=device)
+        self.allocator.track("param", self.full.numel() * self.full.element_size())
+        if src.device != device:  # host shard on an accelerator (pinned: the copy is asynchronous)
+            src = src.to(device, non_blocking=True)
+        self._gather_src = src
+        self.handle = self.comm.all_gather(self.full, src, async_op=True)
+
+    @property
+    def shard_dtype(self) -> torch.dtype:
+        return self.shard.dtype if self.shard is not None else self.store.dtype
 
     def wait(self) -> None:
         """Gather (if needed) and point every parameter at the full buffer."""
         self.fetch()
         if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
+            self._finish_gather()
             self._attach()
+
+    def _finish_gather(self) -> None:
+        self.handle.wait()
+        self.handle = None
+        self._gather_src = None
+        if self.store is not None:
+            self.store.release(self)
 
     def _attach(self) -> None:
         for slot, p in zip(self.unit.slots, self.params):
@@ -192,8 +236,7 @@ class ShardedUnit:
         if self.full is None or (self.persistent and not force):
             return
         if self.handle is not None:
-            self.handle.wait()
-            self.handle = None
+            self._finish_gather()
         for p in self.params:
             p.data = _placeholder(p)
             p._zkit_released = True
@@ -203,6 +246,6 @@ class ShardedUnit:
     def write_back(self, rank: int) -> None:
         """Copy this rank's range of the (gathered, possibly edited) full buffer into its shard."""
         lo, hi = self.unit.shard_range(rank)
-        self.shard.copy_(self.full[lo:hi])
+        self.set_shard(self.full[lo:hi])
         if self.master is not None:
-            self.master.copy_(self.shard)
+            self.master.copy_(self.full[lo:hi])

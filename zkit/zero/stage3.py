@@ -8,6 +8,10 @@ backward needs a saved parameter, and released once its gradients are reduced. U
 the first forward is recorded; afterwards each gather prefetches the next units of that order
 (backward: the reverse order) up to ``stage3_prefetch_bucket_size`` elements, never holding more than
 ``stage3_max_live_parameters`` gathered elements. The gradient path is stage 2's.
+
+Parameter offload: an allocator that places purpose ``"param"`` on the host keeps the shards there
+(gathers copy them to the device); one with a ``param_shard_store(dtype)`` keeps them in that store
+(NVMe), read ahead of the gathers along the recorded order and written back after each step.
 """
 from __future__ import annotations
 
@@ -59,8 +63,11 @@ class Stage3(Stage2):
             if existing is not None and [p for p in existing.params] == params and existing.unit.padded == u.padded:
                 su = existing  # built partitioned by zkit.zero.Init
                 su.unit, su.comm, su.allocator = u, self.comm, self.allocator
-                su.shard = su.shard.to(device=self.ctx.device, dtype=self.dtype)
-                self.allocator.track("param", su.shard.numel() * su.shard.element_size())
+                if su.shard.device != self.allocator.place("param") or su.shard.dtype != self.dtype:
+                    shard = self.allocator.empty(su.shard.numel(), self.dtype, "param")
+                    su.shard = shard.copy_(su.shard)
+                else:
+                    self.allocator.track("param", su.shard.numel() * su.shard.element_size())
             else:
                 su = ShardedUnit.from_params(u, params, self.comm, self.allocator, self.rank, mname)
             su.persistent = u.numel <= int(zc.stage3_param_persistence_threshold)
@@ -83,10 +90,22 @@ class Stage3(Stage2):
                 self._hooks_fwd.append(module.register_forward_hook(self._after_module_forward(owner[mname])))
 
     def _param_shard(self, unit: Unit) -> torch.Tensor:
-        return self.sharded[unit.index].shard
+        return self.sharded[unit.index].local_shard()
 
     def _build_master(self) -> None:
-        super()._build_master()
+        make_store = getattr(self.allocator, "param_shard_store", None)
+        self.param_store = make_store(self.dtype) if callable(make_store) else None
+        if self.param_store is None:
+            super()._build_master()
+        else:
+            # Shards leave memory: the optimizer cannot step on them in place, so the fp32 master
+            # is a copy even where it could have been the parameters themselves.
+            self.master_is_param = False
+            flat = self.allocator.empty(sum(u.shard for u in self.units), torch.float32, "master")
+            self.master = list(flat.split([u.shard for u in self.units]))
+            for su, m in zip(self.sharded, self.master):
+                m.copy_(su.shard)
+            self.param_store.adopt([su for su in self.sharded if not su.persistent])
         for su, m in zip(self.sharded, self.master):
             su.master = None if self.master_is_param else m  # GatheredParameters edits reach it
 
@@ -124,6 +143,11 @@ class Stage3(Stage2):
             su.fetch()
             budget -= su.unit.padded
             live += su.unit.padded
+        if self.param_store is not None:
+            # Read the shards of the units after those ahead of their gathers (NVMe latency).
+            ahead = [self.sharded[i] for i in order[self._cursor + 1 :] if self.sharded[i].full is None]
+            for su in ahead[: self.param_store.lookahead]:
+                su.prefetch_shard()
 
     def _after_module_forward(self, index: int):
         def hook(module, args, output):
@@ -188,9 +212,10 @@ class Stage3(Stage2):
         handles = []
         for su, m in zip(self.sharded, self.master):
             if not self.master_is_param:
-                su.shard.copy_(m)
+                su.set_shard(m)
             if su.persistent:
-                handles.append(self.comm.all_gather(su.full, su.shard, async_op=True))
+                src = su.shard if su.shard.device == su.full.device else su.shard.to(su.full.device)
+                handles.append(self.comm.all_gather(su.full, src, async_op=True))
         for h in handles:
             h.wait()
 

@@ -39,14 +39,23 @@ def make_model(seed: int = 0) -> TiedNet:
     return TiedNet()
 
 
+#: ``offload_param`` for the parameter-offload tests: on NVMe, the smallest shard (the LayerNorm's,
+#: 6 elements on 2 ranks) stays in host memory (``max_in_cpu``), and two buffers hold the others.
+PARAM_NVME = {"buffer_count": 2, "buffer_size": 100, "max_in_cpu": 6}
+
+
 def config(stage: int, dtype: str, world: int, offload: str = "none", nvme_path: str | None = None,
-           micro: int = 2, **extra) -> dict:
-    """Small buckets and sub-groups so that every rank owns several pieces in several sub-groups."""
+           micro: int = 2, param: str = "none", **extra) -> dict:
+    """Small buckets and sub-groups so that every rank owns several pieces in several sub-groups.
+    ``offload``/``param``: the offload_optimizer / offload_param device."""
     zero: dict = {"stage": stage, "reduce_bucket_size": 40, "overlap_comm": True, "sub_group_size": 50}
     if stage == 3:
         zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=100)
     if offload != "none":
         zero["offload_optimizer"] = {"device": offload, "nvme_path": nvme_path, "buffer_count": 2}
+    if param != "none":
+        zero["offload_param"] = {"device": param, "nvme_path": nvme_path, "pin_memory": False,
+                                 **(PARAM_NVME if param == "nvme" else {})}
     cfg = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
@@ -90,8 +99,8 @@ def params_of(engine) -> list[torch.Tensor]:
         return [p.detach().float().clone() for p in engine.module.parameters()]
 
 
-def swap_files(engine) -> list[str]:
-    swapper = engine.allocator.swapper
+def swap_files(engine, swapper=None) -> list[str]:
+    swapper = swapper or engine.allocator.swapper
     return sorted(p.name for p in swapper.dir.glob("*.swp")) if swapper.dir.exists() else []
 
 
@@ -126,12 +135,14 @@ def checkpoint_then_continue(root: str, cases: list[tuple[int, str]], nvme_root:
     uninterrupted run a resumed one must match."""
     world = torch.distributed.get_world_size()
     out = {}
-    for stage, device in cases:
-        engine, *_ = zkit.initialize(model=make_model(), config=config(stage, "fp32", world, device, nvme_root))
+    for case in cases:
+        stage, device, param = (*case, "none")[:3]
+        cfg = config(stage, "fp32", world, device, nvme_root, param=param)
+        engine, *_ = zkit.initialize(model=make_model(), config=cfg)
         train(engine, 2, 2)
-        engine.save_checkpoint(f"{root}/{stage}-{device}")
+        engine.save_checkpoint(f"{root}/{'-'.join(map(str, case))}")
         losses = train(engine, 2, 2, start=2)
-        out[(stage, device)] = {"losses": losses, "params": params_of(engine)}
+        out[case] = {"losses": losses, "params": params_of(engine)}
         engine.close()
     return out
 
@@ -142,13 +153,59 @@ def resume(root: str, cases: list[tuple[int, str]], nvme_root: str) -> dict:
     world = torch.distributed.get_world_size()
     micro = 4 // world
     out = {}
-    for stage, device in cases:
+    for case in cases:
+        stage, device, param = (*case, "none")[:3]
         torch.manual_seed(999)  # a different init: everything must come from the checkpoint
-        cfg = config(stage, "fp32", world, device, nvme_root, micro=micro)
+        cfg = config(stage, "fp32", world, device, nvme_root, micro=micro, param=param)
         engine, *_ = zkit.initialize(model=TiedNet(), config=cfg)
-        engine.load_checkpoint(f"{root}/{stage}-{device}")
+        engine.load_checkpoint(f"{root}/{'-'.join(map(str, case))}")
         steps = engine.global_steps
         losses = train(engine, 2, micro, start=2)
-        out[(stage, device)] = {"losses": losses, "params": params_of(engine), "steps": steps}
+        out[case] = {"losses": losses, "params": params_of(engine), "steps": steps}
         engine.close()
     return out
+
+
+def param_offload_matrix(cases: list[tuple[str, str, str]], nvme_root: str, steps: int = 3) -> dict:
+    """Stage 3 per (dtype, offload_optimizer device, offload_param device): final parameters and
+    losses; with NVMe, the parameter swap files, the memory report and whether the run
+    directories are gone after close."""
+    world = torch.distributed.get_world_size()
+    out = {}
+    for dtype, opt, param in cases:
+        cfg = config(3, dtype, world, opt, nvme_root if "nvme" in (opt, param) else None, param=param)
+        engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+        losses = train(engine, steps, 2)
+        result = {"params": params_of(engine), "losses": losses, "allocator": engine.records["allocator"].name,
+                  "optimizer": type(engine.optimizer).__name__, "memory": engine.memory(),
+                  "shard_devices": sorted({su.shard.device.type for su in engine.partitioner.sharded
+                                           if su.shard is not None})}
+        alloc = engine.allocator
+        dirs = [s.dir for s in (getattr(alloc, "swapper", None), getattr(alloc, "param_swapper", None)) if s]
+        if param == "nvme":
+            result["param_files"] = swap_files(engine, alloc.param_swapper)
+            result["stored_units"] = [su.module_name for su in engine.partitioner.sharded if su.store is not None]
+        engine.close()
+        result["dirs_after_close"] = [d.exists() for d in dirs]
+        out[(dtype, opt, param)] = result
+    return out
+
+
+def param_offload_errors(nvme_root: str, zeros: list[dict]) -> list[str]:
+    return [param_offload_error(nvme_root, zero) for zero in zeros]
+
+
+def param_offload_error(nvme_root: str, zero: dict) -> str:
+    """The error of building an engine with ``zero`` merged into the stage-3 test config."""
+    cfg = config(3, "fp32", torch.distributed.get_world_size(), "none", nvme_root, param="nvme")
+    for key, value in zero.items():
+        if isinstance(value, dict):
+            cfg["zero_optimization"].setdefault(key, {}).update(value)
+        else:
+            cfg["zero_optimization"][key] = value
+    try:
+        engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+    except ValueError as exc:
+        return str(exc)
+    engine.close()
+    return ""

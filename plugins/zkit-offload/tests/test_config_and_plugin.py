@@ -54,6 +54,34 @@ def test_choose_stack():
         plugin.choose_stack(OffloadOptimizerConfig(device="cpu", ratio=0.5), AioConfig(), "Adam")
 
 
+def test_choose_stack_for_parameter_offload():
+    cpu, nvme = OffloadParamConfig(device="cpu"), OffloadParamConfig(device="nvme", nvme_path="/tmp")
+    # parameters alone: the allocator changes, the optimizer stays the configured one
+    assert plugin.choose_stack(None, AioConfig(), "SGD", cpu, 3) == zkit.Stack(allocator="host", optimizer=None)
+    assert plugin.choose_stack(None, AioConfig(), "Adam", nvme, 3).allocator == "nvme"
+    both = plugin.choose_stack(OffloadOptimizerConfig(device="cpu"), AioConfig(), "Adam", nvme, 3)
+    assert (both.allocator, both.optimizer) == ("nvme", "cpu_adam")
+    with pytest.raises(ValueError) as info:
+        plugin.choose_stack(OffloadOptimizerConfig(device="cpu"), AioConfig(), "Adam", cpu, 1)
+    assert str(info.value).startswith("zero_optimization.offload_param (device 'cpu') needs ZeRO stage 3, the stage "
+                                      "that partitions parameters; this config has stage 1.")
+
+
+def test_host_allocator_with_parameters_only_keeps_optimizer_buffers_on_the_device():
+    alloc = HostAllocator(torch.device("meta"), param=OffloadParamConfig(device="cpu"))
+    assert [alloc.place(p).type for p in ("param", "master", "optim_state", "grad")] == ["cpu", "meta", "meta", "meta"]
+
+
+def test_nvme_allocator_needs_an_nvme_section():
+    from zkit_offload import NVMeAllocator
+
+    with pytest.raises(ValueError) as info:
+        NVMeAllocator(torch.device("cpu"), optimizer=OffloadOptimizerConfig(device="cpu"),
+                      param=OffloadParamConfig(device="cpu"))
+    assert str(info.value) == ("the 'nvme' allocator needs zero_optimization.offload_optimizer.device or "
+                               "zero_optimization.offload_param.device 'nvme' (with an nvme_path)")
+
+
 def test_records_are_registered():
     pm = get_plugin_manager(autoload=False, extra_plugins=[plugin])
     rec = pm.lookup("optimizer", "DeepSpeedCPUAdam")

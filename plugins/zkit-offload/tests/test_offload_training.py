@@ -1,7 +1,7 @@
 """Offloaded training through the ZeRO stages matches training without offload.
 
-Optimizer offload to the CPU (``host`` allocator, fused CPU AdamW) at stages 1-3 in fp32, bf16 and
-fp16, and to NVMe (``nvme`` allocator, optimizer state in swap files between steps), on 2 gloo
+Optimizer offload to the CPU (``host`` allocator, fused CPU AdamW) and to NVMe (``nvme`` allocator,
+optimizer state in swap files between steps) at stages 1-3 in fp32, bf16 and fp16, on 2 gloo
 ranks; checkpoints of offloaded runs resume on 2 ranks and reshard to 1.
 """
 import pytest
@@ -31,7 +31,7 @@ def nvme_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(nvme_root):
     cases = [(s, d, dev) for s in STAGES for d in DTYPES for dev in ("none", "cpu")]
-    cases += [(s, "fp32", "nvme") for s in STAGES]
+    cases += [(s, d, "nvme") for s in STAGES for d in DTYPES]
     return run_ranks(orr.training_matrix, 2, args=(cases, str(nvme_root)), timeout=300)
 
 
@@ -50,11 +50,13 @@ def test_cpu_offload_matches_no_offload(results, stage, dtype):
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_nvme_offload_matches_no_offload(results, nvme_root, stage):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nvme_offload_matches_no_offload(results, nvme_root, stage, dtype):
     for rank in results:
-        base, off = rank[(stage, "fp32", "none")], rank[(stage, "fp32", "nvme")]
+        base, off = rank[(stage, dtype, "none")], rank[(stage, dtype, "nvme")]
         assert off["allocator"] == "nvme"
-        assert _max_diff(off["params"], base["params"]) < TOLERANCE["fp32"]
+        assert _max_diff(off["params"], base["params"]) < TOLERANCE[dtype]
+        assert off["losses"] == pytest.approx(base["losses"], rel=TOLERANCE[dtype])
         # between steps the state is in the swap files: host memory keeps only the step counts
         assert off["state_type"] == "SwappedState" and off["resident_tensors"] == 0
         # two state tensors (exp_avg, exp_avg_sq) per sub-group, written from the first step on

@@ -1,15 +1,17 @@
 """The allocator family of zkit-offload: ``"host"`` (ZeRO-Offload) and ``"nvme"`` (ZeRO-Infinity).
 
 ``host`` puts the buffers the CPU optimizer touches (``"master"``, ``"master_grad"``,
-``"optim_state"``) in host memory, page-locked when CUDA is present and ``pin_memory`` is set so
-that device<->host copies are asynchronous; with ``offload_param.device == "cpu"`` stage-3
-parameter shards (``"param"``) live on the host too. Everything else stays on the device. On a
-CPU-only machine the device *is* the host and nothing is copied.
+``"optim_state"``) in host memory when ``offload_optimizer.device`` is set, page-locked when CUDA is
+present and ``pin_memory`` is set so that device<->host copies are asynchronous; with
+``offload_param.device`` set, stage-3 parameter shards (``"param"``) live on the host too (the
+gathered full parameters stay on the device). Everything else stays on the device. On a CPU-only
+machine the device *is* the host and nothing is copied.
 
-``nvme`` is ``host`` plus an :class:`~zkit_offload.NVMeSwapper`: optimizer state is kept on NVMe
-between steps and streamed through ``buffer_count`` host buffer sets. The partitioner splits its
-flat shard into sub-groups (``sub_group_size`` elements) and steps them with
-:meth:`NVMeAllocator.step_in_subgroups`; see docs/plugins/offload.md.
+``nvme`` is ``host`` plus NVMe swappers: with ``offload_optimizer.device == "nvme"`` optimizer state
+is kept on NVMe between steps and streamed through ``buffer_count`` host buffer sets (the
+partitioner splits its flat shard into sub-groups of ``sub_group_size`` elements and steps them with
+:meth:`NVMeAllocator.step_optimizer`); with ``offload_param.device == "nvme"`` stage 3 keeps its
+parameter shards in a :class:`~zkit_offload.param_store.NVMeParamStore`. See docs/plugins/offload.md.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from zkit.alloc import Allocator
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.cpu_optimizer import FusedCPUOptimizer
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zkit_offload.param_store import NVMeParamStore
 from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups
 from zkit_offload.swap import NVMeSwapper, aligned_empty
 from zkit_offload.swapped_state import SubGroupPlan, SwappedState
@@ -49,7 +52,8 @@ class HostAllocator(Allocator):
         super().__init__(device)
         self.optimizer_config = optimizer or _section(config, OffloadOptimizerConfig.SECTION, OffloadOptimizerConfig)
         self.param_config = param or _section(config, OffloadParamConfig.SECTION, OffloadParamConfig)
-        self.host_purposes = HOST_PURPOSES + (("param",) if self.param_config.device != "none" else ())
+        self.host_purposes = ((HOST_PURPOSES if self.optimizer_config.device != "none" else ())
+                              + (("param",) if self.param_config.device != "none" else ()))
 
     def place(self, purpose: str) -> torch.device:
         return torch.device("cpu") if purpose in self.host_purposes else self.device
@@ -57,35 +61,71 @@ class HostAllocator(Allocator):
     def pin(self, purpose: str) -> bool:
         if purpose == "param":
             return self.param_config.pin_memory
-        return purpose in HOST_PURPOSES and self.optimizer_config.pin_memory
+        return purpose in self.host_purposes and self.optimizer_config.pin_memory
 
     def close(self) -> None:
         """Nothing to free for host memory; present so every offload allocator can be closed."""
 
 
 class NVMeAllocator(HostAllocator):
-    """:class:`HostAllocator` whose optimizer state lives on NVMe between steps.
+    """:class:`HostAllocator` with optimizer state and/or stage-3 parameter shards on NVMe.
 
     Attributes:
-        swapper: the :class:`NVMeSwapper` (files under ``offload_optimizer.nvme_path``).
+        swapper: the optimizer-state :class:`NVMeSwapper` (files under
+            ``offload_optimizer.nvme_path``), or ``None`` when the optimizer is not on NVMe.
+        param_swapper: the parameter-shard swapper (``offload_param.nvme_path``), or ``None``.
     """
 
     def __init__(self, device: torch.device, config: Any = None, *,
                  optimizer: OffloadOptimizerConfig | None = None, param: OffloadParamConfig | None = None,
                  aio: AioConfig | None = None) -> None:
         super().__init__(device, config, optimizer=optimizer, param=param)
-        if self.optimizer_config.device != "nvme" or not self.optimizer_config.nvme_path:
-            raise ValueError("the 'nvme' allocator needs zero_optimization.offload_optimizer.device 'nvme' "
-                             "and an nvme_path")
+        if self.optimizer_config.device != "nvme" and self.param_config.device != "nvme":
+            raise ValueError("the 'nvme' allocator needs zero_optimization.offload_optimizer.device or "
+                             "zero_optimization.offload_param.device 'nvme' (with an nvme_path)")
         self.aio = aio or _section(config, AioConfig.SECTION, AioConfig)
-        self.swapper = NVMeSwapper(self.optimizer_config.nvme_path, block_size=self.aio.block_size,
-                                   io_threads=self.aio.io_threads)
+        self.swapper: NVMeSwapper | None = None
+        self.param_swapper: NVMeSwapper | None = None
+        if self.optimizer_config.device == "nvme":
+            self.swapper = NVMeSwapper(self.optimizer_config.nvme_path, block_size=self.aio.block_size,
+                                       io_threads=self.aio.io_threads)
+        if self.param_config.device == "nvme":
+            self.param_swapper = NVMeSwapper(self.param_config.nvme_path, block_size=self.aio.block_size,
+                                             io_threads=self.aio.io_threads)
+        self._param_stores: list[NVMeParamStore] = []
         zero = getattr(config, "zero_optimization", None)
         #: elements per sub-group of the optimizer step (``zero_optimization.sub_group_size``)
         self.sub_group_size = max(1, int(getattr(zero, "sub_group_size", 1_000_000_000)))
         self._buffers: SubGroupBuffers | None = None
         self._stepped: set[int] = set()
         self._plan: SubGroupPlan | None = None
+
+    def param_shard_store(self, dtype: torch.dtype) -> NVMeParamStore | None:
+        """Where stage 3 keeps its parameter shards: an :class:`NVMeParamStore` with
+        ``offload_param.device == "nvme"``, else ``None`` (shards in memory, placed by :meth:`place`)."""
+        if self.param_swapper is None:
+            return None
+        c = self.param_config
+        store = NVMeParamStore(self.param_swapper, self, dtype, buffer_count=c.buffer_count,
+                               buffer_size=c.buffer_size, max_in_cpu=c.max_in_cpu)
+        self._param_stores.append(store)
+        return store
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Host bytes per purpose (:meth:`Allocator.stats`) plus ``"optim_state_nvme"`` and
+        ``"param_nvme"``: bytes in swap files, which are not host memory."""
+        stats = super().stats()
+        on_disk = {"optim_state_nvme": self._optimizer_nvme_bytes(),
+                   "param_nvme": sum(s.nvme_bytes for s in self._param_stores)}
+        for purpose, nbytes in on_disk.items():
+            if nbytes:
+                stats[purpose] = {"live": nbytes, "peak": nbytes}
+        return stats
+
+    def _optimizer_nvme_bytes(self) -> int:
+        if self._plan is None:
+            return 0
+        return sum(self._plan.sizes) * len(self._plan.state_names) * 4  # fp32 state tensors
 
     def empty(self, numel: int, dtype: torch.dtype, purpose: str) -> torch.Tensor:
         # Host buffers aligned for direct I/O: the swapper then reads and writes them in place.
@@ -101,7 +141,11 @@ class NVMeAllocator(HostAllocator):
         and written back, overlapping the I/O of neighbouring sub-groups with the update. Between
         steps ``optimizer.state`` is a :class:`~zkit_offload.swapped_state.SwappedState` (only
         ``step`` in memory). Check overflow first (``optimizer.grad_stats``): a sub-group
-        pipeline cannot be rolled back half-way."""
+        pipeline cannot be rolled back half-way. With only the parameters on NVMe (optimizer
+        state in memory) this is a plain ``optimizer.step()``."""
+        if self.swapper is None:
+            optimizer.step()
+            return
         state = self._swapped_state(optimizer)
         plan = state.plan
         group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -173,5 +217,11 @@ class NVMeAllocator(HostAllocator):
         self._stepped.update(range(len(subgroups)))
 
     def close(self) -> None:
-        """Delete the swap files and stop the I/O threads."""
-        self.swapper.close()
+        """Finish pending writes, delete the swap files and stop the I/O threads."""
+        try:
+            for store in self._param_stores:
+                store.flush()
+        finally:
+            for swapper in (self.swapper, self.param_swapper):
+                if swapper is not None:
+                    swapper.close()

@@ -76,7 +76,8 @@ def zkit_register_allocators():
     yield AllocatorRecord(name="host", factory=_host_allocator,
                           description="master weights, their gradients and optimizer state in (pinned) host memory")
     yield AllocatorRecord(name="nvme", factory=_nvme_allocator,
-                          description="host allocator with optimizer state swapped to NVMe files")
+                          description="host allocator with optimizer state and/or stage-3 parameter shards "
+                                      "swapped to NVMe files")
 
 
 @zkit.hookimpl
@@ -89,14 +90,28 @@ def zkit_config_sections():
 
 
 def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfig | None,
-                 optimizer_type: str | None) -> Any:
-    """The :class:`zkit.Stack` an offload config needs, or ``None`` without offload."""
-    if optimizer_section is None or optimizer_section.device == "none":
+                 optimizer_type: str | None, param_section: OffloadParamConfig | None = None,
+                 stage: int | None = None) -> Any:
+    """The :class:`zkit.Stack` an offload config needs, or ``None`` without offload.
+
+    ``offload_optimizer`` picks the CPU optimizer; either section on ``nvme`` picks the ``nvme``
+    allocator, otherwise either on ``cpu`` the ``host`` allocator. ``offload_param`` needs
+    ``stage`` 3 (the only stage whose parameters are partitioned)."""
+    optimizer_section = optimizer_section or OffloadOptimizerConfig()
+    param_section = param_section or OffloadParamConfig()
+    devices = (optimizer_section.device, param_section.device)
+    if devices == ("none", "none"):
         return None
     check_supported(optimizer_section, aio or AioConfig())
-    allocator = "nvme" if optimizer_section.device == "nvme" else "host"
+    if param_section.device != "none" and stage is not None and stage < 3:
+        raise ValueError(
+            f"zero_optimization.offload_param (device {param_section.device!r}) needs ZeRO stage 3, the stage that "
+            f"partitions parameters; this config has stage {stage}. Set zero_optimization.stage to 3, or use "
+            "offload_optimizer to offload optimizer state at stages 1-2"
+        )
+    allocator = "nvme" if "nvme" in devices else "host"
     optimizer = None
-    if optimizer_type is not None:
+    if optimizer_type is not None and optimizer_section.device != "none":
         key = optimizer_type.strip().lower()
         if key not in CPU_OPTIMIZER_FOR:
             raise ValueError(
@@ -110,10 +125,13 @@ def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfi
 @zkit.hookimpl
 def zkit_configure(config):
     optimizer = getattr(config, "optimizer", None)
+    zero = getattr(config, "zero_optimization", None)
     return choose_stack(
         config.section(OffloadOptimizerConfig.SECTION),
         config.section(AioConfig.SECTION),
         getattr(optimizer, "type", None) if optimizer is not None else None,
+        config.section(OffloadParamConfig.SECTION),
+        getattr(zero, "stage", None),
     )
 
 

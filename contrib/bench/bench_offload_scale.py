@@ -1,0 +1,246 @@
+"""Scale: the largest GPT each contestant trains for 3 steps (loss decreasing) under a memory cap.
+
+Contestants, one process each (world size 1, gloo), fp32, Adam, one fixed batch:
+
+* ``torch``: plain PyTorch, ``torch.optim.Adam(fused=True)``;
+* ``zkit-cpu``: zkit stage 3, ``offload_optimizer`` and ``offload_param`` on ``cpu``;
+* ``zkit-nvme``: zkit stage 3, both on ``nvme`` (``max_in_cpu`` 0: every shard in swap files);
+* ``ds-cpu`` / ``ds-nvme``: DeepSpeed's equivalents (same config keys), in DeepSpeed's interpreter.
+
+Each attempt runs in a child process inside its own memory cgroup (``--cap-gib``; see
+:mod:`bench_offload_common`), so a size that does not fit is killed by the kernel. Sizes are GPT
+depths at a fixed width: doubled from 1 layer until an attempt fails, then bisected between the
+last success and the first failure. Reported: parameters, the cgroup's peak (anonymous memory and
+page cache), the child's peak RSS and the median step time. Example (about an hour at 4 GiB)::
+
+    python contrib/bench/bench_offload_scale.py --cap-gib 4 --nvme-path /tmp \\
+        --ds-python /tmp/dsvenv/bin/python
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+RESULT = "OFFLOAD_SCALE_RESULT "
+VARIANTS = ("torch", "zkit-cpu", "zkit-nvme", "ds-cpu", "ds-nvme")
+STEPS = 3
+
+
+def gpt_config(layers: int, d_model: int):
+    from zkit.models.gpt import GPTConfig
+
+    return GPTConfig(vocab_size=8192, seq_len=64, n_layer=layers, n_head=max(1, d_model // 64), d_model=d_model)
+
+
+def offload_config(variant: str, nvme_path: str) -> dict[str, Any]:
+    """The zkit / DeepSpeed config (the same keys for both) of an offload contestant."""
+    device = variant.split("-", 1)[1]
+    opt: dict[str, Any] = {"device": device, "pin_memory": False}
+    param: dict[str, Any] = {"device": device, "pin_memory": False}
+    if device == "nvme":
+        # small host buffers: 2 sub-groups of 5M elements' state, 3 parameter shards
+        opt.update(nvme_path=nvme_path, buffer_count=2)
+        param.update(nvme_path=nvme_path, buffer_count=3, buffer_size=100_000_000, max_in_cpu=0)
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+        "zero_optimization": {
+            "stage": 3,
+            "offload_optimizer": opt,
+            "offload_param": param,
+            "sub_group_size": 5_000_000,
+            "stage3_param_persistence_threshold": 10_000,
+            "stage3_prefetch_bucket_size": 20_000_000,
+            "stage3_max_live_parameters": 100_000_000,
+            "reduce_bucket_size": 20_000_000,
+        },
+        "aio": {"block_size": 1_048_576, "queue_depth": 8, "intra_op_parallelism": 1},
+        "steps_per_print": 10_000,
+    }
+
+
+# -- child side -------------------------------------------------------------------------------------
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from zkit.models.gpt import GPT
+
+    torch.set_num_threads(2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    cfg = gpt_config(layers, d_model)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    params = sum(p.numel() for p in model.parameters())
+    batch = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    if variant == "torch":
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
+
+        def step() -> float:
+            loss = model(batch, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss.item()
+    elif variant.startswith("zkit"):
+        import zkit
+
+        engine, *_ = zkit.initialize(model=model, config=offload_config(variant, nvme_path))
+
+        def step() -> float:
+            loss = engine(batch, batch)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+    else:
+        import deepspeed
+
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=offload_config(variant, nvme_path), dist_init_required=False)
+
+        def step() -> float:
+            loss = engine(batch, batch)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+    if variant != "torch":
+        del model  # the engine holds what it needs (stage 3: the shards)
+    losses, times = [], []
+    for _ in range(STEPS):
+        t0 = time.perf_counter()
+        losses.append(step())
+        times.append(time.perf_counter() - t0)
+    return {"params": params, "losses": losses, "times": times, "peak_rss": _peak_rss()}
+
+
+# -- parent side ------------------------------------------------------------------------------------
+def attempt(variant: str, layers: int, args: argparse.Namespace) -> dict[str, Any]:
+    # a directory per attempt: a child killed at the cap leaves its swap files behind
+    nvme_dir = tempfile.mkdtemp(prefix="offload-scale-", dir=args.nvme_path)
+    try:
+        return _attempt(variant, layers, args, nvme_dir)
+    finally:
+        shutil.rmtree(nvme_dir, ignore_errors=True)
+
+
+def _attempt(variant: str, layers: int, args: argparse.Namespace, nvme_dir: str) -> dict[str, Any]:
+    from bench_offload_common import CappedRun
+
+    python = args.ds_python if variant.startswith("ds") else sys.executable
+    cmd = [python, os.path.abspath(__file__), "--child", variant, "--layers", str(layers),
+           "--d-model", str(args.d_model), "--nvme-path", nvme_dir]
+    env = dict(os.environ, OMP_NUM_THREADS="2", NUMBA_NUM_THREADS="2", PYTHONNOUSERSITE="1",
+               PYTHONWARNINGS="ignore")
+    if variant.startswith("ds"):
+        from zero_deepspeed_side import deepspeed_command
+
+        _, ds_env = deepspeed_command(python, [], args.shim_dir)
+        env.update(DS_ACCELERATOR="cpu", PYTHONPATH=ds_env["PYTHONPATH"])
+    with CappedRun(int(args.cap_gib * 2**30)) as cap:
+        proc = cap.run(cmd, env, args.timeout)
+        peak, oom = cap.peak_bytes(), cap.oom_killed()
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT):
+            out = json.loads(line[len(RESULT):])
+            out["cgroup_peak"] = peak
+            decreasing = out["losses"][-1] < out["losses"][0]
+            out["ok"] = decreasing
+            out["note"] = "" if decreasing else f"loss did not decrease: {out['losses']}"
+            return out
+    note = "killed at the memory cap" if oom else (proc.stderr.strip().splitlines() or ["failed"])[-1][:160]
+    return {"ok": False, "note": note, "cgroup_peak": peak}
+
+
+def search(variant: str, args: argparse.Namespace, log) -> tuple[int, dict[str, Any] | None, list]:
+    """Double the depth until a failure, then bisect; the deepest success and every attempt."""
+    tried: list[tuple[int, dict[str, Any]]] = []
+
+    def run(layers: int) -> bool:
+        r = attempt(variant, layers, args)
+        tried.append((layers, r))
+        log(f"  {variant:9s} {layers:4d} layers: " + (f"ok, {r['params'] / 1e6:.0f}M params, cgroup peak "
+            f"{r['cgroup_peak'] / 2**30:.2f} GiB, step {sorted(r['times'])[1]:.1f} s" if r["ok"] else r["note"]))
+        return r["ok"]
+
+    good, bad = 0, None
+    layers = 1
+    while layers <= args.max_layers:
+        if not run(layers):
+            bad = layers
+            break
+        good, layers = layers, layers * 2
+    if bad is not None:
+        while bad - good > max(1, good // args.precision):  # bisect to within 1/precision of the size
+            mid = (good + bad) // 2
+            if run(mid):
+                good = mid
+            else:
+                bad = mid
+    best = dict(tried)[good] if good else None
+    return good, best, tried
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cap-gib", type=float, default=4.0, help="memory cap per attempt (GiB)")
+    p.add_argument("--nvme-path", default=tempfile.gettempdir(), help="directory for swap files")
+    p.add_argument("--ds-python", default="/tmp/dsvenv/bin/python", help="DeepSpeed's interpreter ('' to skip)")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--d-model", type=int, default=1024)
+    p.add_argument("--max-layers", type=int, default=512)
+    p.add_argument("--precision", type=int, default=8, help="bisect until within 1/precision of the depth found")
+    p.add_argument("--timeout", type=float, default=1200.0, help="seconds per attempt")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    sys.path[:0] = [HERE, REPO]
+    if args.child:
+        print(RESULT + json.dumps(child(args.child, args.layers, args.d_model, args.nvme_path)), flush=True)
+        return 0
+    variants = [v for v in args.variants.split(",") if v and (args.ds_python or not v.startswith("ds"))]
+    args.shim_dir = tempfile.mkdtemp(prefix="zkit-ds-shim-")
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    log(f"cap {args.cap_gib} GiB per attempt, width {args.d_model}, load average {os.getloadavg()}")
+    rows = []
+    for v in variants:
+        layers, best, _ = search(v, args, log)
+        rows.append((v, layers, best))
+    base = next((b["params"] for v, _, b in rows if v == "torch" and b), None)
+    print(f"\nLargest GPT (d_model {args.d_model}) training {STEPS} steps under a {args.cap_gib} GiB cap; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    print("| contestant | layers | params | x torch | cgroup peak GiB | peak RSS GiB | step s |")
+    print("|---|---|---|---|---|---|---|")
+    for v, layers, b in rows:
+        if b is None:
+            print(f"| {v} | - | none fits | | | | |")
+            continue
+        ratio = f"{b['params'] / base:.2f}" if base else "-"
+        print(f"| {v} | {layers} | {b['params'] / 1e6:.0f}M | {ratio} | {b['cgroup_peak'] / 2**30:.2f} | "
+              f"{b['peak_rss'] / 2**30:.2f} | {sorted(b['times'])[1]:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

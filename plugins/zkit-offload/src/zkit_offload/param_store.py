@@ -1,0 +1,191 @@
+"""Stage-3 parameter shards on NVMe (ZeRO-Infinity's parameter offload).
+
+Stage 3 asks its allocator for a *shard store* (``param_shard_store(dtype)``) and hands it the
+shards of its units (:meth:`NVMeParamStore.adopt`). The first ``max_in_cpu`` elements of shards
+(in unit order) stay in host memory, as in DeepSpeed; each other shard is written to its own swap
+file and its memory freed. From then on the store keeps at most ``buffer_count`` shards resident,
+in aligned host buffers of ``min(buffer_size, largest shard)`` elements:
+
+* :meth:`prefetch` starts reading a shard into a free buffer (stage 3 calls it for the units
+  after the ones it is gathering, in its recorded module order);
+* :meth:`get` returns the shard in memory for a gather (waiting for its read) and holds the buffer
+  until :meth:`release` (the gather is done);
+* :meth:`put` writes new values (after the optimizer step) through a buffer, asynchronously.
+
+A buffer keeps the last shard it held until it is needed for another, so the units used last in
+forward are often still resident when backward starts. A shard written by :meth:`put` stays in its
+buffer until that write has finished, so a read never sees a half-written file.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+import torch
+
+from zkit_offload.swap import NVMeSwapper, SwapHandle, aligned_empty
+
+
+class _Buffer:
+    __slots__ = ("data", "unit", "read", "write", "users", "prefetched", "tick")
+
+    def __init__(self, data: torch.Tensor) -> None:
+        self.data = data
+        self.unit: Any = None  # the ShardedUnit whose shard this buffer holds
+        self.read: SwapHandle | None = None
+        self.write: SwapHandle | None = None
+        self.users = 0  # gathers reading from the buffer now
+        self.prefetched = False  # read ahead, not used yet: other read-aheads leave it alone
+        self.tick = 0
+
+
+class NVMeParamStore:
+    """Parameter shards in swap files, read into ``buffer_count`` host buffers on demand.
+
+    Args:
+        swapper: the swapper of ``offload_param.nvme_path``.
+        allocator: counts the buffers as purpose ``"param"`` host memory.
+        dtype: the shards' dtype (the model's).
+        buffer_count, buffer_size, max_in_cpu: ``zero_optimization.offload_param`` settings.
+    """
+
+    def __init__(self, swapper: NVMeSwapper, allocator: Any, dtype: torch.dtype, *, buffer_count: int,
+                 buffer_size: int, max_in_cpu: int) -> None:
+        if buffer_count < 1:
+            raise ValueError("zero_optimization.offload_param.buffer_count must be at least 1 with device 'nvme' "
+                             f"(a gather reads its shard into a buffer); got {buffer_count}")
+        self.swapper = swapper
+        self.allocator = allocator
+        self.dtype = dtype
+        self.buffer_count = buffer_count
+        self.buffer_size = buffer_size
+        self.max_in_cpu = max_in_cpu
+        self.buffers: list[_Buffer] = []
+        self._key: dict[int, str] = {}
+        self._where: dict[int, _Buffer] = {}
+        self._clock = itertools.count(1)
+        #: bytes of shards in swap files
+        self.nvme_bytes = 0
+
+    @property
+    def lookahead(self) -> int:
+        """How many units past the gathered ones stage 3 reads ahead (one buffer stays free for
+        a gather that is not in the recorded order)."""
+        return max(self.buffer_count - 1, 0)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def adopt(self, units: Sequence[Any]) -> None:
+        """Move the shards of ``units`` (in memory now) to NVMe, except the first ``max_in_cpu``
+        elements' worth, which stay in host memory."""
+        in_cpu, swapped = 0, []
+        for su in units:
+            n = su.unit.shard
+            if in_cpu + n <= self.max_in_cpu:
+                in_cpu += n
+            else:
+                swapped.append(su)
+        largest = max(swapped, key=lambda su: su.unit.shard, default=None)
+        if largest is not None and largest.unit.shard > self.buffer_size:
+            raise ValueError(
+                f"stage-3 module {largest.module_name or 'root'!r} has a parameter shard of {largest.unit.shard} "
+                f"elements, more than zero_optimization.offload_param.buffer_size ({self.buffer_size} elements); "
+                f"raise buffer_size to at least {largest.unit.shard}"
+            )
+        if not swapped:
+            return
+        size = max(su.unit.shard for su in swapped)
+        self.buffers = [_Buffer(aligned_empty(size, self.dtype)) for _ in range(self.buffer_count)]
+        self.allocator.track("param", sum(b.data.numel() * b.data.element_size() for b in self.buffers))
+        writes = []
+        for su in swapped:
+            key = f"param{su.unit.index}.{su.module_name or 'root'}"
+            self._key[id(su)] = key
+            shard = su.shard.contiguous() if su.shard.device.type == "cpu" else su.shard.cpu()
+            writes.append((su, shard, self.swapper.swap_out(key, shard)))
+        for su, shard, handle in writes:
+            handle.wait()
+            self.allocator.release(su.shard, "param")
+            self.nvme_bytes += shard.numel() * shard.element_size()
+            su.shard, su.store = None, self
+
+    # -- reads -----------------------------------------------------------------------------------
+    def prefetch(self, su: Any) -> None:
+        """Start reading ``su``'s shard if a buffer is free for it (best effort, never waits for
+        a gather)."""
+        buf = self._where.get(id(su))
+        if buf is None:
+            free = [b for b in self.buffers if b.users == 0 and not b.prefetched]
+            if not free:
+                return
+            buf = self._claim(min(free, key=lambda b: (b.unit is not None, b.tick)), su)
+            buf.prefetched = True
+        buf.tick = next(self._clock)
+
+    def get(self, su: Any) -> torch.Tensor:
+        """``su``'s shard in a host buffer, held until :meth:`release`."""
+        buf = self._where.get(id(su))
+        if buf is None:
+            buf = self._claim(self._free_buffer(), su)
+        if buf.read is not None:
+            buf.read.wait()
+            buf.read = None
+        buf.users += 1
+        buf.prefetched = False
+        buf.tick = next(self._clock)
+        return buf.data[: su.unit.shard]
+
+    def release(self, su: Any) -> None:
+        """The gather that read ``su``'s shard is done with it."""
+        buf = self._where.get(id(su))
+        if buf is not None and buf.users:
+            buf.users -= 1
+
+    # -- writes ----------------------------------------------------------------------------------
+    def put(self, su: Any, values: torch.Tensor) -> None:
+        """New values of ``su``'s shard: written to its file through a buffer, asynchronously."""
+        buf = self._where.get(id(su))
+        if buf is None:
+            buf = self._claim(self._free_buffer(), su, read=False)
+        if buf.users:
+            raise RuntimeError(f"the shard of stage-3 module {su.module_name or 'root'!r} was changed while a "
+                               "gather was reading it")
+        for handle in (buf.read, buf.write):
+            if handle is not None:
+                handle.wait()
+        buf.read = None
+        view = buf.data[: su.unit.shard]
+        view.copy_(values)
+        buf.write = self.swapper.swap_out(self._key[id(su)], view)
+        buf.tick = next(self._clock)
+
+    def flush(self) -> None:
+        """Wait for every read and write in flight (raises the first I/O error)."""
+        for buf in self.buffers:
+            for handle in (buf.read, buf.write):
+                if handle is not None:
+                    handle.wait()
+            buf.read = buf.write = None
+
+    # -- buffers ---------------------------------------------------------------------------------
+    def _free_buffer(self) -> _Buffer:
+        free = [b for b in self.buffers if b.users == 0]
+        if not free:
+            # Every buffer feeds a gather in flight (read-aheads): finish the oldest one.
+            oldest = min(self.buffers, key=lambda b: b.tick)
+            oldest.unit.wait()
+            free = [oldest]
+        return min(free, key=lambda b: (b.unit is not None, b.tick))
+
+    def _claim(self, buf: _Buffer, su: Any, read: bool = True) -> _Buffer:
+        """Make ``buf`` hold ``su``'s shard (reading it from its file unless ``read`` is False)."""
+        for handle in (buf.read, buf.write):
+            if handle is not None:
+                handle.wait()  # the buffer's previous shard is fully read / written back
+        buf.read = buf.write = None
+        if buf.unit is not None:
+            del self._where[id(buf.unit)]
+        buf.unit, buf.prefetched = su, False
+        self._where[id(su)] = buf
+        if read:
+            buf.read = self.swapper.swap_in(self._key[id(su)], buf.data[: su.unit.shard])
+        return buf

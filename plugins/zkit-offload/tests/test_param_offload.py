@@ -1,0 +1,122 @@
+"""Stage-3 parameter offload (``offload_param`` cpu / nvme), with and without optimizer offload,
+matches stage 3 without offload on 2 gloo ranks; the memory report separates NVMe bytes from
+host memory; swap files are removed by ``engine.close()``; checkpoints of such runs resume and
+reshard; misconfigurations are refused with a message naming the problem."""
+import pytest
+
+from zkit.testing import run_ranks
+
+import offload_ranks as orr
+
+#: (dtype, offload_optimizer device, offload_param device)
+CASES = [(d, "none", p) for d in ("fp32", "bf16", "fp16") for p in ("none", "cpu", "nvme")]
+CASES += [("fp32", "cpu", "cpu"), ("fp32", "cpu", "nvme"), ("fp32", "nvme", "nvme"), ("bf16", "nvme", "nvme")]
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+@pytest.fixture(scope="module")
+def nvme_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("param_nvme")
+
+
+@pytest.fixture(scope="module")
+def results(nvme_root):
+    return run_ranks(orr.param_offload_matrix, 2, args=(CASES, str(nvme_root)), timeout=300)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] != "none"], ids="-".join)
+def test_param_offload_matches_stage3_without_offload(results, case):
+    dtype, opt, param = case
+    for rank in results:
+        base, off = rank[(dtype, "none", "none")], rank[case]
+        assert off["allocator"] == ("nvme" if "nvme" in (opt, param) else "host")
+        assert off["optimizer"] == ("CPUAdamW" if opt != "none" else base["optimizer"])
+        assert _max_diff(off["params"], base["params"]) < TOLERANCE[dtype]
+        assert off["losses"] == pytest.approx(base["losses"], rel=TOLERANCE[dtype])
+        assert off["losses"][-1] < off["losses"][0]
+        assert off["shard_devices"] in ([], ["cpu"])
+        assert not any(off["dirs_after_close"])
+    assert _max_diff(results[0][case]["params"], results[1][case]["params"]) == 0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_nvme_params_swap_all_but_max_in_cpu(results, nvme_root, dtype):
+    for rank in results:
+        off = rank[(dtype, "none", "nvme")]
+        # the LayerNorm's 6-element shard fits max_in_cpu; the Linear and the embedding are swapped
+        assert off["stored_units"] == ["mix", "embed"]
+        assert len(off["param_files"]) == 2
+    assert list(nvme_root.iterdir()) == []
+
+
+def test_memory_report_counts_nvme_bytes_apart(results):
+    for rank in results:
+        base = rank[("fp32", "none", "none")]["memory"]
+        both = rank[("fp32", "nvme", "nvme")]["memory"]
+        # shards of 21 and 39 fp32 elements per rank in swap files; m and v of the 4+35 owned... on disk
+        assert both["param_nvme_bytes"] == (21 + 39) * 4
+        assert both["optim_state_nvme_bytes"] > 0 and both["optim_state_bytes"] == 0
+        assert "param_nvme_bytes" not in base and "optim_state_nvme_bytes" not in base
+        # host bytes of parameters: 2 buffers of the largest swapped shard + the in-memory shard
+        # (gathered full buffers released after the step)
+        assert both["param_bytes"] == (2 * 39 + 6) * 4
+        assert base["param_bytes"] == (39 + 21 + 6) * 4
+
+
+@pytest.fixture(scope="module")
+def errors(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("param_errors"))
+    zeros = [
+        {"offload_param": {"buffer_size": 10}},
+        {"offload_param": {"buffer_count": 0}},
+        {"stage": 2},
+    ]
+    return run_ranks(orr.param_offload_errors, 2, args=(root, zeros), timeout=120)[0]
+
+
+def test_buffer_too_small_names_both_sizes(errors):
+    assert errors[0] == (
+        "stage-3 module 'embed' has a parameter shard of 39 elements, more than "
+        "zero_optimization.offload_param.buffer_size (10 elements); raise buffer_size to at least 39"
+    )
+
+
+def test_buffer_count_zero_refused(errors):
+    assert "offload_param.buffer_count must be at least 1 with device 'nvme'" in errors[1]
+
+
+def test_param_offload_needs_stage_3(errors):
+    assert errors[2] == (
+        "zero_optimization.offload_param (device 'nvme') needs ZeRO stage 3, the stage that partitions parameters; "
+        "this config has stage 2. Set zero_optimization.stage to 3, or use offload_optimizer to offload optimizer "
+        "state at stages 1-2"
+    )
+
+
+CHECKPOINT_CASES = [(3, "none", "cpu"), (3, "none", "nvme"), (3, "nvme", "nvme")]
+
+
+@pytest.fixture(scope="module")
+def checkpoint_runs(tmp_path_factory):
+    nvme, ckpt = tmp_path_factory.mktemp("param_ckpt_nvme"), str(tmp_path_factory.mktemp("param_ckpt"))
+    args = (ckpt, CHECKPOINT_CASES, str(nvme))
+    full = run_ranks(orr.checkpoint_then_continue, 2, args=args, timeout=180)
+    same = run_ranks(orr.resume, 2, args=args, timeout=180)
+    (one,) = run_ranks(orr.resume, 1, args=args, timeout=180)
+    return full, same, one, nvme
+
+
+@pytest.mark.parametrize("case", CHECKPOINT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_param_offloaded_checkpoint_resumes_and_reshards(checkpoint_runs, case):
+    full, same, one, nvme = checkpoint_runs
+    for a, b in zip(full, same):
+        assert b[case]["steps"] == 2
+        assert _max_diff(a[case]["params"], b[case]["params"]) < 1e-6
+        assert b[case]["losses"] == pytest.approx(a[case]["losses"], rel=1e-6)
+    assert one[case]["steps"] == 2
+    assert _max_diff(one[case]["params"], full[0][case]["params"]) < 1e-5
+    assert list(nvme.iterdir()) == []
