@@ -13,10 +13,13 @@ CORPUS = os.path.join(os.path.dirname(__file__), "..", "examples", "data", "aust
 
 
 def config_for(optimizer: str, lr: float, freeze_step: int, stage: int = 0, micro_batch: int = 4) -> dict:
-    """A DeepSpeed-style config: ``optimizer`` is ``"Adam"`` or ``"OneBitAdam"``."""
+    """A DeepSpeed-style config: ``optimizer`` is ``"Adam"``, ``"OneBitAdam"`` (``freeze_step``)
+    or ``"ZeroOneAdam"`` (``var_freeze_step``)."""
     params: dict[str, Any] = {"lr": lr, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
     if optimizer == "OneBitAdam":
         params["freeze_step"] = freeze_step
+    elif optimizer == "ZeroOneAdam":
+        params["var_freeze_step"] = freeze_step
     else:
         params["adam_w_mode"] = True
     return {

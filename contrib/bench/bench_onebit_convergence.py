@@ -1,5 +1,6 @@
 """Convergence on the example corpus (next-byte prediction), Adam vs 1-bit Adam (15% warm-up) vs
-Adam over the ``onebit`` gradient-compression communicator, on gloo ranks over loopback. Models: the
+0/1 Adam (variance refreshed up to 50% of the steps) vs Adam over the ``onebit``
+gradient-compression communicator, on gloo ranks over loopback. Models: the
 repo's byte-level GPT (``--model gpt``, preset ``--preset``) or a byte-level MLP language model
 (``--model mlp``: the previous 16 bytes, embedded, through a 2-layer MLP).
 
@@ -38,7 +39,13 @@ def byte_mlp(context: int = 16, dim: int = 32, hidden: int = 512):
     return ByteMLP()
 
 
-def run(name: str, steps: int, warmup: int, preset: str, micro_batch: int, lr: float, kind: str = "gpt") -> dict:
+RUNS = ("adam", "onebitadam", "zerooneadam", "adam+onebit-comm")
+OPTIMIZERS = {"onebitadam": "OneBitAdam", "zerooneadam": "ZeroOneAdam"}
+
+
+def run(
+    name: str, steps: int, warmup: dict[str, int], preset: str, micro_batch: int, lr: float, kind: str = "gpt"
+) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -62,10 +69,10 @@ def run(name: str, steps: int, warmup: int, preset: str, micro_batch: int, lr: f
         xs, ys = zip(*(train[int(i)] for i in order[start : start + micro_batch]))
         return torch.stack(xs), torch.stack(ys)
 
-    optimizer = "Adam" if name != "onebitadam" else "OneBitAdam"
+    optimizer = OPTIMIZERS.get(name, "Adam")
     stack = zkit.Stack(communicator="onebit") if name == "adam+onebit-comm" else None
     engine, *_ = zkit.initialize(
-        model=model, config=config_for(optimizer, lr, warmup, 0, micro_batch), stack=stack
+        model=model, config=config_for(optimizer, lr, warmup[name], 0, micro_batch), stack=stack
     )
     rows = train_steps(engine, batches, steps, lm_loss)
     engine.eval()
@@ -88,11 +95,18 @@ def main() -> None:
     ap.add_argument("--micro-batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--out", default="runs/bench_onebit")
+    ap.add_argument("--var-freeze-fraction", type=float, default=0.5, help="0/1 Adam's var_freeze_step")
+    ap.add_argument("--runs", default="adam,onebitadam,zerooneadam,adam+onebit-comm",
+                    help=f"comma-separated runs out of {', '.join(RUNS)}")
     args = ap.parse_args()
     from zkit.testing import run_ranks
 
-    warmup = max(1, round(args.steps * args.warmup_fraction))
-    names = ["adam", "onebitadam", "adam+onebit-comm"]
+    names = args.runs.split(",")
+    if set(names) - set(RUNS) or "adam" not in names:
+        ap.error(f"--runs must include 'adam' and name only {', '.join(RUNS)}; got {args.runs!r}")
+    freeze = max(1, round(args.steps * args.warmup_fraction))
+    warmup = {n: freeze for n in RUNS}
+    warmup["zerooneadam"] = max(1, round(args.steps * args.var_freeze_fraction))
     results = {
         n: run_ranks(run, args.world, args=(n, args.steps, warmup, args.preset, args.micro_batch, args.lr,
                                              args.model), timeout=3600)[0]
@@ -102,12 +116,15 @@ def main() -> None:
         {"step": i + 1, **{f"loss_{n}": results[n]["rows"][i]["loss"] for n in names}}
         for i in range(args.steps)
     ]
-    write_csv(f"{args.out}/convergence_{args.model}.csv", curve)
+    model_tag = f"gpt_{args.preset}" if args.model == "gpt" else "mlp"
+    tag = f"{model_tag}_lr{args.lr:g}_{args.steps}"
+    write_csv(f"{args.out}/convergence_{tag}.csv", curve)
     tail = max(1, args.steps // 10)
     final = {n: sum(r["loss"] for r in results[n]["rows"][-tail:]) / tail for n in names}
     mb = {n: sum(r["bytes"] for r in results[n]["rows"]) / 1e6 for n in names}
     model = f"GPT {args.preset}" if args.model == "gpt" else "byte MLP"
-    print(f"{model}, {args.world} ranks, {args.steps} steps, 1-bit Adam warm-up {warmup} steps")
+    print(f"{model}, {args.world} ranks, {args.steps} steps, lr {args.lr:g}, 1-bit Adam freeze_step {freeze}, "
+          f"0/1 Adam var_freeze_step {warmup['zerooneadam']}")
     print("| run | final train loss | vs Adam | val loss | vs Adam | MB sent per rank (whole run) |")
     print("|---|---|---|---|---|---|")
     for n in names:
@@ -124,12 +141,12 @@ def main() -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for n in names:
         ax.plot([r["step"] for r in curve], [r[f"loss_{n}"] for r in curve], label=n, linewidth=0.8)
-    ax.axvline(warmup, color="grey", linestyle=":", label="freeze_step")
+    ax.axvline(freeze, color="grey", linestyle=":", label="freeze_step")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(f"{args.out}/convergence_{args.model}.png", dpi=120)
+    fig.savefig(f"{args.out}/convergence_{tag}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,91 @@ def compressed_all_reduce_steps(numel: int, steps: int, dtype: str = "float32") 
     }
 
 
+def dead_elements(numel: int) -> torch.Tensor:
+    """A live mask with isolated and consecutive dead elements (a whole chunk's worth at the end)."""
+    live = torch.ones(numel, dtype=torch.bool)
+    live[::5] = False
+    live[-(numel // 3):] = False
+    return live
+
+
+def masked_all_reduce_steps(numel: int, steps: int) -> dict:
+    """Compressed all-reduces whose dead elements are masked out."""
+    from zkit_onebit.collectives import compressed_all_reduce
+    from zkit_onebit.compression import ChunkLayout, ErrorFeedback, LiveMask
+
+    rank, w = dist.get_rank(), dist.get_world_size()
+    layout = ChunkLayout.for_all_reduce(numel, w)
+    fb = ErrorFeedback.zeros(layout, torch.device("cpu"), with_server=True)
+    mask = LiveMask.from_flat(layout, dead_elements(numel))
+    outs = []
+    for x in rank_inputs(rank, steps, numel, seed=2):
+        compressed_all_reduce(TorchCommunicator(), x, fb, mask=mask)
+        outs.append(x)
+    return {"outs": outs, "worker": fb.worker.clone(), "server": fb.server.clone()}
+
+
+SYNTHETIC_SHAPES = [(37,), (5, 7)]
+#: Elements of the first parameter that get no gradient before the freeze (``v = 0`` there).
+COLD = 5
+
+
+def synthetic_grads(rank: int, step: int, freeze_step: int) -> list[torch.Tensor]:
+    """Per-rank gradients that do not depend on the parameters, so a reference can replay them."""
+    g = torch.Generator().manual_seed(7919 * step + rank)
+    grads = [torch.randn(shape, generator=g) * (1 + i) for i, shape in enumerate(SYNTHETIC_SHAPES)]
+    if step < freeze_step:
+        grads[0][:COLD] = 0
+    return grads
+
+
+def onebit_adam_synthetic(freeze_step: int, steps: int, weight_decay: float) -> dict:
+    """1-bit Adam (stage-0 momentum exchange) on synthetic gradients; parameters after each step."""
+    comm = TorchCommunicator()
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SYNTHETIC_SHAPES]
+    opt = OneBitAdam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay,
+                     freeze_step=freeze_step, comm=comm)
+    x0 = torch.cat([p.detach().reshape(-1).clone() for p in params])
+    out = []
+    for step in range(steps):
+        for p, grad in zip(params, synthetic_grads(dist.get_rank(), step, freeze_step)):
+            p.grad = grad
+            if opt.needs_gradient_reduction:
+                comm.all_reduce(p.grad, op="avg")
+        opt.step()
+        out.append(torch.cat([p.detach().reshape(-1).clone() for p in params]))
+    return {"params": out, "x0": x0}
+
+
+ZERO_ONE = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
+#: Steps during which the cold elements get no gradient under 0/1 Adam (they come alive at the
+#: next variance step).
+ZERO_ONE_COLD_STEPS = 5
+
+
+def zero_one_adam_synthetic(steps: int, weight_decay: float) -> dict:
+    """0/1 Adam on synthetic gradients; parameters after each step, and the phase flags."""
+    from zkit_onebit.zeroone_adam import ZeroOneAdam
+
+    comm = TorchCommunicator()
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SYNTHETIC_SHAPES]
+    opt = ZeroOneAdam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, comm=comm,
+                      **ZERO_ONE)
+    x0 = torch.cat([p.detach().reshape(-1).clone() for p in params])
+    out, reduced = [], []
+    for step in range(steps):
+        reduced.append(opt.needs_gradient_reduction)
+        for p, grad in zip(params, synthetic_grads(dist.get_rank(), step, ZERO_ONE_COLD_STEPS)):
+            p.grad = grad
+            if opt.needs_gradient_reduction:
+                comm.all_reduce(p.grad, op="avg")
+        opt.step()
+        out.append(torch.cat([p.detach().reshape(-1).clone() for p in params]))
+    return {"params": out, "x0": x0, "reduced": reduced, "stats": comm.stats()}
+
+
 def compressed_all_reduce_steps_bf16(numel: int, steps: int) -> dict:
     return compressed_all_reduce_steps(numel, steps, "bfloat16")
 
@@ -178,14 +263,17 @@ def zero1_run(freeze_step: int, steps: int) -> dict:
     return {"wrapped": wrapped, "flags": compress_flags, "flat": part.flat.clone(), "stats": part.comm.stats()}
 
 
-def _engine(stage: int, precision: str, freeze_step: int):
+def _engine(stage: int, precision: str, freeze_step: int, optimizer: str = "OneBitAdam"):
     import zkit
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 64))
+    params = {"lr": 1e-3, "freeze_step": freeze_step}
+    if optimizer == "ZeroOneAdam":
+        params = {"lr": 1e-3, "var_freeze_step": freeze_step, "var_update_scaler": 1, "local_step_scaler": 2}
     config = {
         "train_micro_batch_size_per_gpu": 4,
-        "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": freeze_step}},
+        "optimizer": {"type": optimizer, "params": params},
         "zero_optimization": {"stage": stage},
     }
     if precision == "bf16":
@@ -214,9 +302,9 @@ def _flat_params(engine) -> torch.Tensor:
     return torch.cat([p.detach().float().reshape(-1) for p in engine.module.parameters()])
 
 
-def engine_run(stage: int, precision: str, freeze_step: int, steps: int) -> dict:
-    """Train through ``zkit.initialize`` with ``"optimizer": {"type": "OneBitAdam"}``."""
-    engine, opt = _engine(stage, precision, freeze_step)
+def engine_run(stage: int, precision: str, freeze_step: int, steps: int, optimizer: str = "OneBitAdam") -> dict:
+    """Train through ``zkit.initialize`` with ``"optimizer": {"type": optimizer}``."""
+    engine, opt = _engine(stage, precision, freeze_step, optimizer)
     losses, reduction = _engine_steps(engine, 0, steps)
     out = {
         "losses": losses,
@@ -230,15 +318,17 @@ def engine_run(stage: int, precision: str, freeze_step: int, steps: int) -> dict
     return out
 
 
-def engine_checkpoint_resume(stage: int, freeze_step: int, before: int, after: int, save_dir: str) -> dict:
+def engine_checkpoint_resume(
+    stage: int, freeze_step: int, before: int, after: int, save_dir: str, optimizer: str = "OneBitAdam"
+) -> dict:
     """Save mid-compression through the engine, go on; load into a new engine, go on the same."""
-    engine, _ = _engine(stage, "fp32", freeze_step)
+    engine, _ = _engine(stage, "fp32", freeze_step, optimizer)
     _engine_steps(engine, 0, before)
     engine.save_checkpoint(save_dir, tag="mid")
     _engine_steps(engine, before, after)
     straight = _flat_params(engine)
     engine.close()
-    engine, opt = _engine(stage, "fp32", freeze_step)
+    engine, opt = _engine(stage, "fp32", freeze_step, optimizer)
     engine.load_checkpoint(save_dir, tag="mid")
     frozen_after_load = opt.frozen
     _, reduction = _engine_steps(engine, before, after)

@@ -78,3 +78,20 @@ def test_eps_inside_sqrt():
     p.grad = torch.tensor([0.5])
     opt.step()
     torch.testing.assert_close(p.detach(), torch.tensor([1.0]) - 0.1 * 0.05 / (0.001 * 0.25 + 1e-2) ** 0.5)
+
+
+def test_elements_without_warmup_gradient_stay_put_after_the_freeze():
+    """v = 0 at the freeze (no gradient in warm-up): Adam's denominator would be eps, and a later
+    gradient would move the element by m / eps. It stays put (weight decay aside)."""
+    p = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0]))
+    opt = OneBitAdam([p], lr=0.1, freeze_step=2)
+    for _ in range(2):
+        p.grad = torch.tensor([0.5, 0.0, -0.5])
+        opt.step()
+    frozen = p.detach().clone()
+    for _ in range(3):
+        p.grad = torch.tensor([0.5, 4.0, -0.5])
+        opt.step()
+    assert p[1].item() == frozen[1].item() == 2.0
+    assert torch.all(torch.isfinite(opt.state[p]["exp_avg"])) and opt.state[p]["exp_avg"][1] == 0
+    assert p[0] < frozen[0] and p[2] > frozen[2]

@@ -11,6 +11,7 @@ from zkit.comm import Communicator
 from zkit.plugins import PluginError, get_plugin_manager
 from zkit_onebit.adam import OneBitAdam, make_onebit_adam
 from zkit_onebit.communicator import OneBitCommunicator
+from zkit_onebit.zeroone_adam import ZeroOneAdam, make_zero_one_adam
 
 
 class _Local(Communicator):
@@ -230,3 +231,55 @@ def test_plugin_registers_records():
     assert pm.lookup("optimizer", "onebit_adam") is rec
     with pytest.raises(PluginError, match="Did you mean 'onebitadam'"):
         pm.lookup("optimizer", "onebitadm")
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"var_freeze_step": 0}, "ZeroOneAdam: var_freeze_step must be an integer >= 1, got 0"),
+        ({"var_update_scaler": 0}, "ZeroOneAdam: var_update_scaler must be an integer >= 1, got 0"),
+        ({"local_step_scaler": 1.5}, "ZeroOneAdam: local_step_scaler must be an integer >= 1, got 1.5"),
+        ({"local_step_clipper": True}, "ZeroOneAdam: local_step_clipper must be an integer >= 1, got True"),
+        ({"lr": float("nan")}, "ZeroOneAdam: lr must be a finite number >= 0"),
+        ({"amsgrad": True}, "ZeroOneAdam does not support amsgrad"),
+        ({"freeze_step": 10}, "unknown ZeroOneAdam parameter 'freeze_step'; did you mean 'var_freeze_step'"),
+    ],
+)
+def test_zero_one_adam_bad_values(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_zero_one_adam([{"params": _params()}], **kwargs)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_one_adam_refuses_sharded_states(stage):
+    opt = ZeroOneAdam(_params(), var_freeze_step=4)
+    with pytest.raises(ValueError, match=f"ZeroOneAdam supports ZeRO stage 0 only, not stage {stage}"):
+        opt.attach(_Partitioner(stage, _Local(2)))
+
+
+def test_zero_one_adam_deepspeed_config_and_record():
+    opt = make_zero_one_adam(
+        [{"params": _params()}], lr=1e-3, betas=[0.9, 0.999], eps=1e-8, weight_decay=0.0, var_freeze_step=1000,
+        var_update_scaler=16, local_step_scaler=32678, local_step_clipper=16, cuda_aware=False,
+        comm_backend_name="gloo",
+    )
+    assert opt.freeze_step == 1000 and opt.needs_gradient_reduction
+    rec = get_plugin_manager().lookup("optimizer", "ZeroOneAdam")
+    assert rec.factory is make_zero_one_adam and "sync_params" in rec.state_names
+
+
+def test_zero_one_adam_single_process_schedule():
+    """One process: variance steps at 1, 2, 4, 6, 8, ... with var_update_scaler 2; the variance
+    changes only on them; after var_freeze_step it is frozen."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = ZeroOneAdam([p], lr=0.1, var_freeze_step=7, var_update_scaler=2)
+    flags, variances = [], []
+    for t in range(1, 11):
+        flags.append(opt.needs_gradient_reduction)
+        p.grad = torch.full((3,), float(t))
+        opt.step()
+        variances.append(opt.state[p]["exp_avg_sq"].clone())
+    assert [t for t, f in zip(range(1, 11), flags) if f] == [1, 2, 4, 6]
+    changed = [t for t in range(2, 11) if not torch.equal(variances[t - 1], variances[t - 2])]
+    assert changed == [2, 4, 6]
+    assert opt.frozen and opt.var_updates == 4

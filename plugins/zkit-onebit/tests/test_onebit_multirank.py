@@ -9,7 +9,12 @@ import torch
 from zkit.testing import run_ranks
 
 import onebit_ranks
-from onebit_reference import simulate_all_reduce, simulate_reduce_scatter
+from onebit_reference import (
+    simulate_all_reduce,
+    simulate_onebit_adam,
+    simulate_reduce_scatter,
+    simulate_zero_one_adam,
+)
 from zkit_onebit.collectives import wire_bytes_all_reduce
 from zkit_onebit.compression import ChunkLayout
 
@@ -18,6 +23,9 @@ STEPS = 4
 NUMEL = {2: 1001, 4: 4099}  # neither a multiple of 8 nor of the world size
 RS_NUMEL = {2: 208, 4: 424}  # shards of 104 and 106: not multiples of 8
 FREEZE, ADAM_STEPS = 5, 12
+MASKED_NUMEL = 203
+SYN_FREEZE, SYN_STEPS = 4, 12
+ZO_STEPS = 24
 
 
 ENGINE_RUNS = [(0, "fp32"), (1, "bf16"), (2, "fp16")]
@@ -30,9 +38,16 @@ def two_ranks(tmp_path_factory):
         *[(f"engine_{s}_{p}", "engine_run", (s, p, 3, 6)) for s, p in ENGINE_RUNS],
         ("engine_onebit_communicator", (4,)),
         *[(f"engine_ckpt_{s}", "engine_checkpoint_resume", (s, 3, 5, 3, str(save / f"s{s}"))) for s in (0, 2)],
+        *[(f"engine_zo_{p}", "engine_run", (0, p, 4, 8, "ZeroOneAdam")) for p in ("fp32", "bf16")],
+        ("engine_ckpt_zo", "engine_checkpoint_resume", (0, 3, 6, 4, str(save / "zo"), "ZeroOneAdam")),
+        # Saved after the 1-bit gradient step 3, resumed into the variance step 4 (rescaled buffers).
+        ("engine_ckpt_zo_var", "engine_checkpoint_resume", (0, 8, 3, 3, str(save / "zo_var"), "ZeroOneAdam")),
         ("compressed_all_reduce_steps", (NUMEL[2], STEPS)),
         ("compressed_reduce_scatter_steps", (RS_NUMEL[2], STEPS)),
         ("compressed_all_reduce_steps_bf16", (600, 2)),
+        ("masked_all_reduce_steps", (MASKED_NUMEL, STEPS)),
+        ("onebit_adam_synthetic", (SYN_FREEZE, SYN_STEPS, 0.01)),
+        ("zero_one_adam_synthetic", (ZO_STEPS, 0.01)),
         ("onebit_adam_run", (FREEZE, ADAM_STEPS, 0.01)),
         ("checkpoint_resume", (3, 6, 5)),
         ("zero1_run", (3, 8)),
@@ -176,3 +191,88 @@ def test_onebit_communicator_under_adam_through_the_engine(two_ranks):
     # Every step's gradient units go 1-bit, under the same names every step (one round per backward).
     assert a["stats"]["all_reduce_1bit"]["calls"] == 4 * len(a["keys"])
     assert all(k.startswith("all_reduce/") for k in a["keys"])
+
+
+def test_masked_all_reduce_matches_reference_and_dead_elements_come_out_zero(two_ranks):
+    results = [r["masked_all_reduce_steps"] for r in two_ranks]
+    layout = ChunkLayout.for_all_reduce(MASKED_NUMEL, 2)
+    worker = [torch.zeros(2, layout.chunk) for _ in range(2)]
+    server = [torch.zeros(1, layout.chunk) for _ in range(2)]
+    inputs = [onebit_ranks.rank_inputs(r, STEPS, MASKED_NUMEL, seed=2) for r in range(2)]
+    live = onebit_ranks.dead_elements(MASKED_NUMEL)
+    for step in range(STEPS):
+        expected = simulate_all_reduce([inputs[r][step] for r in range(2)], worker, server, live)
+        for r in range(2):
+            out = results[r]["outs"][step]
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+            assert torch.all(out[~live] == 0) and torch.all(out[live] != 0)
+    for r in range(2):
+        torch.testing.assert_close(results[r]["worker"], worker[r], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(results[r]["server"], server[r], rtol=1e-5, atol=1e-5)
+
+
+def test_onebit_adam_matches_float64_reference_of_the_algorithm(two_ranks):
+    """Stage-0 1-bit Adam on two ranks against a float64 one-process simulation: warm-up AdamW,
+    then local momenta, compressed average of ``m / d`` with both error buffers, frozen variance
+    and its bias correction; elements without gradient in warm-up stay put."""
+    a, b = (r["onebit_adam_synthetic"] for r in two_ranks)
+    grads = [[torch.cat([g.reshape(-1) for g in onebit_ranks.synthetic_grads(r, t, SYN_FREEZE)]) for r in range(2)]
+             for t in range(SYN_STEPS)]
+    expected = simulate_onebit_adam(a["x0"], grads, SYN_STEPS, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                                    weight_decay=0.01, freeze_step=SYN_FREEZE)
+    for step in range(SYN_STEPS):
+        assert torch.equal(a["params"][step], b["params"][step]), f"replicas differ at step {step}"
+        torch.testing.assert_close(a["params"][step].double(), expected[step], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"step {step}: {m}")
+    cold = onebit_ranks.COLD
+    # Cold elements got gradients after the freeze, but had v = 0: only weight decay moved them.
+    decay = (1 - 1e-2 * 0.01) ** SYN_STEPS
+    torch.testing.assert_close(a["params"][-1][:cold], a["x0"][:cold] * decay)
+
+
+def test_zero_one_adam_matches_float64_reference_of_the_algorithm(two_ranks):
+    """0/1 Adam on two ranks against a float64 simulation: variance steps on a doubling interval
+    with 1-bit gradient steps between them, then local steps synchronised on a doubling interval."""
+    a, b = (r["zero_one_adam_synthetic"] for r in two_ranks)
+    zo = onebit_ranks.ZERO_ONE
+    grads = [[torch.cat([g.reshape(-1) for g in onebit_ranks.synthetic_grads(r, t, onebit_ranks.ZERO_ONE_COLD_STEPS)])
+              for r in range(2)] for t in range(ZO_STEPS)]
+    expected = simulate_zero_one_adam(a["x0"], grads, ZO_STEPS, lr=1e-2, betas=(0.9, 0.99), eps=1e-8,
+                                      weight_decay=0.01, **zo)
+    # Variance steps: 1, 2 (interval 1), 4, 6 (interval 2), 8 (interval 4); then local steps.
+    assert [t + 1 for t, r in enumerate(a["reduced"]) if r] == [1, 2, 4, 6, 8]
+    # Local steps synchronise at 11, 12, 13 (interval 1), 14, 16 (2), 20, 24 (4, the clipper).
+    synced = [11, 12, 13, 14, 16, 20, 24]
+    for step in range(ZO_STEPS):
+        t = step + 1
+        if t <= zo["var_freeze_step"] or t in synced:
+            assert torch.equal(a["params"][step], b["params"][step]), f"replicas differ after step {t}"
+        torch.testing.assert_close(a["params"][step].double(), expected[step], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"step {t}: {m}")
+    assert not torch.equal(a["params"][16], b["params"][16]), "step 17 is local: replicas differ"
+    stats = a["stats"]
+    assert stats["all_reduce"]["calls"] == 5 * 2  # the variance steps' two gradients
+    assert stats["all_to_all"]["calls"] == 5 + len(synced)  # 1-bit gradient steps and synchronisations
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_engine_trains_with_zero_one_adam(two_ranks, precision):
+    """var_freeze_step 4, var_update_scaler 1, local_step_scaler 2: variance steps 1, 2, 4 (the
+    partitioner reduces gradients before them only), a 1-bit gradient step at 3, then local steps
+    synchronised at 5, 6 and 8."""
+    a, b = (r[f"engine_zo_{precision}"] for r in two_ranks)
+    assert a["frozen"] and all(torch.isfinite(torch.tensor(a["losses"])))
+    assert torch.equal(a["params"], b["params"]), "replicas differ after a synchronisation"
+    # gradient_reduction after each step, i.e. for the next one.
+    assert a["reduction"] == [True, False, True, False, False, False, False, False]
+    stats = a["stats"]
+    assert stats["all_reduce"]["calls"] == 3 and stats["all_to_all"]["calls"] == 4
+
+
+@pytest.mark.parametrize("scenario,frozen", [("engine_ckpt_zo", True), ("engine_ckpt_zo_var", False)])
+def test_engine_zero_one_adam_checkpoint_resumes_identically(two_ranks, scenario, frozen):
+    """Saved during local steps, or between a 1-bit gradient step and a variance step."""
+    for r in range(2):
+        res = two_ranks[r][scenario]
+        assert res["frozen"] is frozen
+        assert torch.equal(res["straight"], res["resumed"])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkit_onebit.compression import ChunkLayout, compress_rows, decode_packets
+from zkit_onebit.compression import ChunkLayout, LiveMask, compress_rows, decode_packets
 from zkit_onebit.packing import pack_bits, pack_signs, packed_nbytes, unpack_bits, unpack_signs
 
 lengths = st.integers(min_value=1, max_value=2000)
@@ -96,6 +96,26 @@ def test_error_feedback_running_sum_tracks_inputs(n, w, steps, seed):
     assert per_element < 4.0
 
 
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 500), w=st.integers(1, 5), seed=st.integers(0, 2**31 - 1))
+def test_masked_rows_keep_the_norm_of_their_live_elements(n, w, seed):
+    """Dead elements are sent as zero and keep no error; a row's scale is the RMS of its live
+    elements, so the live part of the decoded row has the live part's norm."""
+    g = torch.Generator().manual_seed(seed)
+    layout = ChunkLayout.for_all_reduce(n, w)
+    live = torch.rand(n, generator=g) < 0.6
+    mask = LiveMask.from_flat(layout, live)
+    x = layout.to_matrix(torch.randn(n, generator=g))
+    err = torch.zeros_like(x)
+    decoded = decode_packets(compress_rows(x, err, layout, range(w), mask), layout.chunk) * mask.matrix
+    kept = x * mask.matrix
+    assert torch.all(err[~mask.matrix] == 0)
+    torch.testing.assert_close(decoded + err, kept, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.linalg.vector_norm(decoded, dim=1), torch.linalg.vector_norm(kept, dim=1), rtol=1e-5, atol=1e-6
+    )
+
+
 def test_bad_inputs_have_clear_errors():
     with pytest.raises(TypeError, match="bool or uint8"):
         pack_bits(torch.zeros(8))
@@ -109,3 +129,8 @@ def test_bad_inputs_have_clear_errors():
         ChunkLayout.for_reduce_scatter(10, 3)
     with pytest.raises(ValueError, match="world_size must be >= 1"):
         ChunkLayout.for_all_reduce(10, 0)
+    layout = ChunkLayout.for_all_reduce(10, 2)
+    with pytest.raises(ValueError, match="a live mask must be a bool tensor of 10 elements, got torch.float32 with 10"):
+        LiveMask.from_flat(layout, torch.ones(10))
+    with pytest.raises(ValueError, match="a live mask must be a bool tensor of 10 elements, got torch.bool with 9"):
+        LiveMask.from_flat(layout, torch.ones(9, dtype=torch.bool))

@@ -17,6 +17,10 @@ exchanged keeps the convergence. What is exchanged depends on how the states are
   gradients, so worker-side error feedback compensates the compression as it does for momenta.
   The parameter all-gather of ZeRO stays in the model's dtype. Stage 3 is refused.
 
+In every stage, an element whose variance is exactly zero at the freeze step (it never had a
+gradient during warm-up) stays put afterwards: with a denominator of ``eps`` any later gradient
+would move it by ``m / eps``, and, exchanged, would set the compression scale of its whole chunk.
+
 The engine hands the optimizer its communicator: a class attribute ``wants_communicator = True``
 asks the engine to set ``optimizer.comm`` after building it, and the plugin's
 ``zkit_engine_setup`` calls :meth:`OneBitAdam.attach` with the partitioner.
@@ -31,7 +35,7 @@ import torch.distributed as dist
 from zkit.comm import Communicator
 from zkit_onebit.collectives import compressed_all_reduce
 from zkit_onebit.communicator import OneBitCommunicator
-from zkit_onebit.compression import ChunkLayout, ErrorFeedback
+from zkit_onebit.compression import ChunkLayout, ErrorFeedback, LiveMask
 from zkit_onebit.params import check_adam_values, check_names
 
 COMM_BACKENDS = ("nccl", "gloo")
@@ -115,6 +119,9 @@ class OneBitAdam(torch.optim.Optimizer):
         self._grad_comm: OneBitCommunicator | None = None
         self._momentum_comm: Communicator | None = None
         self._feedback: dict[Hashable, ErrorFeedback] = {}
+        #: per momentum bucket: the elements with a non-zero frozen variance (None: all of them).
+        self._masks: dict[Hashable, LiveMask | None] = {}
+        self._dead: dict[int, bool] = {}
         self._pending_feedback: dict[str, Any] = {}
         self._flat: dict[int, torch.Tensor] = {}
 
@@ -299,30 +306,58 @@ class OneBitAdam(torch.optim.Optimizer):
         for p, group, state in params:
             var_step = state.get("variance_step", torch.tensor(float(self.freeze_step))).item()
             step_size, denom = self._step_size_and_denom(group, state, state["step"].item(), var_step)
+            dead = self._has_dead_elements(p, state)
+            if dead:
+                # v == 0: no gradient in warm-up. m / inf = 0: the element stays put (see _live_mask).
+                denom.masked_fill_(state["exp_avg_sq"] == 0, float("inf"))
             state["exp_avg"].div_(denom)  # the exchanged buffers now hold m / denom
-            denoms.append((step_size, denom))
+            denoms.append((step_size, denom, dead))
         self._exchange_momenta([state for _, _, state in params])
-        for (p, group, state), (step_size, denom) in zip(params, denoms):
+        for (p, group, state), (step_size, denom, dead) in zip(params, denoms):
             if group["weight_decay"] != 0:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(state["exp_avg"], alpha=-step_size)
+            if dead:
+                denom.nan_to_num_(posinf=0.0)  # the momentum of a dead element is 0, not 0 * inf
             state["exp_avg"].mul_(denom)  # back to the momentum
 
+    def _has_dead_elements(self, p: torch.Tensor, state: dict) -> bool:
+        """Whether some element of ``p`` has a frozen variance of exactly zero (cached: the
+        variance no longer changes)."""
+        dead = self._dead.get(id(p))
+        if dead is None:
+            dead = self._dead[id(p)] = bool((state["exp_avg_sq"] == 0).any())
+        return dead
+
     def _exchange_momenta(self, states: list[dict]) -> None:
+        """Average the momenta over ranks in place, compressed, in flat buckets; elements with
+        ``v = 0`` are left out (see :func:`_live_mask`)."""
         transport = self._momentum_transport()
         if transport is None or transport.world_size == 1:
             return
         host = self._stage_on_host(transport)
         for index, bucket in enumerate(self._buckets(states)):
-            flat = self._flat_momenta(index, bucket)
-            key = f"momentum/{index}"
-            layout = ChunkLayout.for_all_reduce(flat.numel(), transport.world_size)
-            fb = self._feedback.get(key)
-            if fb is None or fb.layout != layout:
-                fb = self._feedback[key] = ErrorFeedback.zeros(layout, flat.device, with_server=True)
-                if key in self._pending_feedback.get("momentum", {}):
-                    fb.load_state_dict(self._pending_feedback["momentum"].pop(key))
-            compressed_all_reduce(transport, flat, fb, op="avg", stage_on_host=host)
+            self._all_reduce_bucket(transport, f"momentum/{index}", self._flat_momenta(index, bucket), bucket, host)
+
+    def _all_reduce_bucket(
+        self, transport: Communicator, key: str, flat: torch.Tensor, bucket: list[dict], host: bool
+    ) -> None:
+        """Compressed average of one flat bucket in place, with the error buffers of ``key``
+        (created zero, or from a loaded checkpoint) and the bucket's live mask."""
+        layout = ChunkLayout.for_all_reduce(flat.numel(), transport.world_size)
+        fb = self._feedback_for(key, layout, flat.device)
+        if key not in self._masks:
+            self._masks[key] = _live_mask(layout, bucket)
+        compressed_all_reduce(transport, flat, fb, op="avg", stage_on_host=host, mask=self._masks[key])
+
+    def _feedback_for(self, key: str, layout: ChunkLayout, device: torch.device) -> ErrorFeedback:
+        """The error buffers of ``key``: created zero, or from a loaded checkpoint."""
+        fb = self._feedback.get(key)
+        if fb is None or fb.layout != layout:
+            fb = self._feedback[key] = ErrorFeedback.zeros(layout, device, with_server=True)
+            if key in self._pending_feedback.get("momentum", {}):
+                fb.load_state_dict(self._pending_feedback["momentum"].pop(key))
+        return fb
 
     def _flat_momenta(self, index: int, bucket: list[dict]) -> torch.Tensor:
         """One flat tensor whose slices *are* the bucket's momenta, so the exchange needs no
@@ -381,6 +416,8 @@ class OneBitAdam(torch.optim.Optimizer):
         self.step_count = int(state["step_count"])
         self.frozen = bool(state["frozen"])
         self._feedback.clear()
+        self._masks.clear()
+        self._dead.clear()
         self._pending_feedback = {"momentum": dict(state.get("momentum", {})), "gradients": state.get("gradients")}
         if self._grad_comm is not None and state.get("gradients"):
             self._grad_comm.load_state_dict(state["gradients"])
@@ -397,6 +434,19 @@ class OneBitAdam(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         if onebit is not None:
             self.load_onebit_state_dict(onebit)
+
+
+def _live_mask(layout: ChunkLayout, bucket: list[dict]) -> LiveMask | None:
+    """The elements of a momentum bucket whose frozen variance is non-zero; None if all are.
+
+    An element that never had a gradient during warm-up has ``v = 0``: its Adam denominator is
+    ``eps``, so any momentum it received (1-bit compression cannot send an exact zero, and a
+    gradient may reach it later) would move it by ``m / eps``. Such elements are kept out of the
+    exchange and stay put, as DeepSpeed's ``exp_avg_mask`` does for elements the user names."""
+    live = torch.cat([(state["exp_avg_sq"] != 0).reshape(-1) for state in bucket])
+    if bool(live.all()):
+        return None
+    return LiveMask.from_flat(layout, live)
 
 
 def _agree_on_grad_norm(partitioner: Any) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from zkit.comm import Communicator
-from zkit_onebit.compression import ChunkLayout, ErrorFeedback, compress_rows_, decode_packets
+from zkit_onebit.compression import ChunkLayout, ErrorFeedback, LiveMask, compress_rows_, decode_packets
 
 COMPRESSIBLE_OPS = ("sum", "avg")
 
@@ -40,12 +40,14 @@ def compressed_all_reduce(
     feedback: ErrorFeedback,
     op: str = "avg",
     stage_on_host: bool = False,
+    mask: LiveMask | None = None,
 ) -> None:
     """Reduce ``tensor`` in place across the transport's ranks with 1-bit compression.
 
     ``feedback`` holds this rank's error buffers for this tensor (same tensor every call).
     ``op`` is ``"avg"`` or ``"sum"``. ``stage_on_host`` routes the packets through host memory
-    (for a backend without device-tensor support, e.g. gloo with CUDA tensors).
+    (for a backend without device-tensor support, e.g. gloo with CUDA tensors). ``mask`` (the
+    same on every rank) marks the elements that carry data; the others come out exactly zero.
     """
     if op not in COMPRESSIBLE_OPS:
         raise ValueError(f"compressed all-reduce supports ops {COMPRESSIBLE_OPS}, got {op!r}")
@@ -61,24 +63,31 @@ def compressed_all_reduce(
     # Phase 1: compress every chunk (the worker error buffer becomes the new error in place),
     # chunk r to rank r.
     layout.add_into(feedback.worker, tensor)
-    packets = compress_rows_(feedback.worker, layout, range(w))
+    packets = compress_rows_(feedback.worker, layout, range(w), mask)
     received = torch.empty_like(packets)
     _exchange("all_to_all", transport, received.view(-1), packets.view(-1), stage_on_host)
 
     # Server: average what the workers sent for my chunk, compress again with my own error.
     mine = decode_packets(received, layout.chunk).mean(dim=0, keepdim=True)
-    layout.zero_padding(mine, range(rank, rank + 1))
+    if mask is None:
+        layout.zero_padding(mine, range(rank, rank + 1))
     feedback.server.add_(mine)
-    server_packet = compress_rows_(feedback.server, layout, range(rank, rank + 1))
+    server_packet = compress_rows_(feedback.server, layout, range(rank, rank + 1), mask)
 
     # Phase 2: every rank gets every server's compressed chunk.
     gathered = torch.empty_like(packets)
     _exchange("all_gather", transport, gathered.view(-1), server_packet.view(-1), stage_on_host)
     factor = float(w) if op == "sum" else 1.0
-    if layout.kind == "flat" and layout.numel == w * layout.chunk and tensor.dtype == torch.float32 and tensor.is_contiguous():
-        decode_packets(gathered, layout.chunk, factor, out=tensor.view(w, layout.chunk))
+    in_place = layout.kind == "flat" and layout.numel == w * layout.chunk
+    if in_place and tensor.dtype == torch.float32 and tensor.is_contiguous():
+        out = decode_packets(gathered, layout.chunk, factor, out=tensor.view(w, layout.chunk))
+        if mask is not None:
+            out.mul_(mask.matrix)
     else:
-        layout.from_matrix(decode_packets(gathered, layout.chunk, factor), tensor)
+        out = decode_packets(gathered, layout.chunk, factor)
+        if mask is not None:
+            out.mul_(mask.matrix)
+        layout.from_matrix(out, tensor)
 
 
 def compressed_reduce_scatter(

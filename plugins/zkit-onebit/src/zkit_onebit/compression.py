@@ -101,29 +101,64 @@ def _check_sizes(numel: int, world_size: int) -> None:
         raise ValueError(f"cannot compress an empty tensor (numel={numel})")
 
 
-def compress_rows_(matrix: torch.Tensor, layout: ChunkLayout, rows: range) -> torch.Tensor:
+@attrs.frozen(eq=False)
+class LiveMask:
+    """Which elements of a layout carry data: ``matrix`` (bool ``[world_size, chunk]``, False in
+    the padding) and ``counts`` (fp32 ``[world_size]``, live elements per row, at least 1).
+
+    1-bit compression cannot send an exact zero: an element that is structurally zero (the
+    momentum of a parameter element that never had a gradient) would receive ``±scale`` every
+    step. Dead elements are sent as zero, decoded as exactly zero, keep no error, and do not count
+    in the scale of their row, so a row's scale is the RMS of its live elements."""
+
+    matrix: torch.Tensor
+    counts: torch.Tensor
+
+    @classmethod
+    def from_flat(cls, layout: ChunkLayout, live: torch.Tensor) -> "LiveMask":
+        """From a flat bool tensor of ``layout.numel`` elements (True: carries data)."""
+        if live.numel() != layout.numel or live.dtype != torch.bool:
+            raise ValueError(f"a live mask must be a bool tensor of {layout.numel} elements, got "
+                             f"{live.dtype} with {live.numel()}")
+        matrix = layout.to_matrix(live).bool()
+        return cls(matrix, matrix.sum(dim=1, dtype=torch.float32).clamp_(min=1))
+
+
+def compress_rows_(
+    matrix: torch.Tensor, layout: ChunkLayout, rows: range, mask: LiveMask | None = None
+) -> torch.Tensor:
     """1-bit compress the rows of fp32 ``matrix`` (rows ``rows`` of ``layout``), in place.
 
     ``matrix`` holds the values to send plus the error carried from the last step; on return it
     holds the new compression error ``x - scale * sign(x)``. Returns the ``uint8`` packets, one row
     per matrix row. The sign is the float's sign bit: ``+0.0`` is positive, ``-0.0`` negative.
+    With ``mask``, dead elements are zeroed first and keep no error.
     """
-    scales = torch.linalg.vector_norm(matrix, dim=1).div_(layout.counts_tensor(rows, matrix.device).sqrt_())
+    if mask is not None:
+        live = mask.matrix[rows.start : rows.stop]
+        matrix.mul_(live)
+        counts = mask.counts[rows.start : rows.stop]
+    else:
+        counts = layout.counts_tensor(rows, matrix.device)
+    scales = torch.linalg.vector_norm(matrix, dim=1).div_(counts.sqrt())
     negative = torch.signbit(matrix)
     # Bit 1 = non-negative: pack the sign bits, then invert the (8x fewer) bytes.
     packed = pack_bits(negative).bitwise_not_().view(matrix.shape[0], -1)
     matrix.sub_(torch.copysign(scales[:, None], matrix))
-    layout.zero_padding(matrix, rows)
+    if mask is not None:
+        matrix.mul_(live)
+    else:
+        layout.zero_padding(matrix, rows)
     return torch.cat([packed, scales.view(-1, 1).view(torch.uint8)], dim=1)
 
 
 def compress_rows(
-    matrix: torch.Tensor, error: torch.Tensor, layout: ChunkLayout, rows: range
+    matrix: torch.Tensor, error: torch.Tensor, layout: ChunkLayout, rows: range, mask: LiveMask | None = None
 ) -> torch.Tensor:
     """Error-compensated compression of ``matrix`` (kept intact) with error buffer ``error``
     (updated in place): adds ``error``, compresses, stores the new error. Returns the packets."""
     error.add_(matrix)
-    return compress_rows_(error, layout, rows)
+    return compress_rows_(error, layout, rows, mask)
 
 
 def decode_packets(

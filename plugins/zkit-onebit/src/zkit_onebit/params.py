@@ -19,7 +19,10 @@ def check_names(optimizer: str, given: Iterable[str], valid: Iterable[str]) -> N
         raise ValueError(f"{msg} Valid parameters: {', '.join(valid)}")
 
 
-def check_adam_values(optimizer: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, freeze_step: Any) -> None:
+def check_adam_values(
+    optimizer: str, lr: Any, betas: Any, eps: Any, weight_decay: Any, freeze_step: Any = None
+) -> None:
+    """Adam's values; ``freeze_step`` (1-bit Adam's) is checked unless None."""
     if not _finite(lr) or lr < 0:
         raise ValueError(f"{optimizer}: lr must be a finite number >= 0, got {lr!r}")
     if (
@@ -32,6 +35,8 @@ def check_adam_values(optimizer: str, lr: Any, betas: Any, eps: Any, weight_deca
         raise ValueError(f"{optimizer}: eps must be a finite number > 0, got {eps!r}")
     if not _finite(weight_decay) or weight_decay < 0:
         raise ValueError(f"{optimizer}: weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    if freeze_step is None:
+        return
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int):
         raise ValueError(f"{optimizer}: freeze_step must be an integer, got {freeze_step!r}")
     if freeze_step < 1:
@@ -44,3 +49,10 @@ def check_adam_values(optimizer: str, lr: Any, betas: Any, eps: Any, weight_deca
 
 def _finite(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def check_positive_ints(optimizer: str, **values: Any) -> None:
+    """Each value must be an integer >= 1."""
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{optimizer}: {name} must be an integer >= 1, got {value!r}")

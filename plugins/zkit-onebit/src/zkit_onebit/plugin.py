@@ -8,6 +8,7 @@ from zkit.records import CommunicatorRecord, OptimizerRecord
 from zkit_onebit import __version__
 from zkit_onebit.adam import OneBitAdam, make_onebit_adam
 from zkit_onebit.communicator import OneBitCommunicator, make_onebit_communicator
+from zkit_onebit.zeroone_adam import make_zero_one_adam
 
 
 @zkit.hookimpl
@@ -31,6 +32,15 @@ def zkit_register_optimizers():
         elementwise=True,
         devices=("cpu", "cuda"),
     )
+    yield OptimizerRecord(
+        name="zerooneadam",
+        aliases=("zero_one_adam", "01adam"),
+        factory=make_zero_one_adam,
+        description="0/1 Adam: variance refreshed on a thinning schedule, 1-bit gradients, then local steps (ZeRO 0)",
+        state_names=("exp_avg", "exp_avg_sq", "sync_params"),
+        elementwise=True,
+        devices=("cpu", "cuda"),
+    )
 
 
 def _find(obj: Any, cls: type, depth: int = 3) -> Any:
@@ -43,7 +53,7 @@ def _find(obj: Any, cls: type, depth: int = 3) -> Any:
 
 
 def onebit_optimizer(engine: Any) -> OneBitAdam | None:
-    """The engine's 1-bit optimizer, if it has one."""
+    """The engine's 1-bit optimizer (OneBitAdam or ZeroOneAdam, a subclass), if it has one."""
     found = _find(getattr(engine, "optimizer", None), OneBitAdam)
     if found is None:
         found = _find(getattr(getattr(engine, "partitioner", None), "optimizer", None), OneBitAdam)
@@ -101,5 +111,5 @@ def zkit_checkpoint_load(engine, state):
 def zkit_report():
     yield "zkit-onebit", (
         f"{__version__}: communicator 'onebit' (1-bit error-feedback all-reduce), optimizer 'onebitadam' "
-        f"(ZeRO stages 0-2)"
+        f"(ZeRO stages 0-2), 'zerooneadam' (ZeRO stage 0)"
     )
