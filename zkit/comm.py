@@ -95,7 +95,9 @@ class Communicator(abc.ABC):
         self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False
     ) -> Handle | None:
         """Reduce flat ``input`` (``world_size * output.numel()`` elements) across ranks; rank r
-        receives chunk r in ``output``."""
+        receives chunk r in ``output``. ``input`` is the collective's to use: afterwards its chunks
+        other than this rank's are undefined (a backend may reduce in place). ``output`` may be
+        this rank's own chunk of ``input``."""
 
     @abc.abstractmethod
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:

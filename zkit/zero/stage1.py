@@ -2,7 +2,11 @@
 micro-step each unit is reduce-scattered in place, so rank r's own slice of the unit's gradient
 buffer receives the averaged gradient of the shard it owns; it steps its fp32 master and optimizer
 state for that shard alone, and the updated shards are all-gathered back into every rank's
-parameters. Per-rank model states: 2Ψ + 2Ψ + 12Ψ/N."""
+parameters. Per-rank model states: 2Ψ + 2Ψ + 12Ψ/N.
+
+After the reduction only the rank's own slice of a gradient buffer is meaningful (the rest is
+the collective's scratch, see :meth:`zkit.comm.Communicator.reduce_scatter`), as with DeepSpeed,
+whose stage-1 parameters carry no full gradient after backward either."""
 from __future__ import annotations
 
 import torch
