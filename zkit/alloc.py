@@ -16,7 +16,17 @@ PURPOSES = ("param", "grad", "master", "master_grad", "optim_state", "bucket", "
 
 
 class Allocator(abc.ABC):
-    """Hands out flat, 1-D, contiguous buffers and counts live bytes per purpose."""
+    """Hands out flat, 1-D, contiguous buffers and counts live bytes per purpose.
+
+    Two optional methods let an allocator take over more than placement (the ZeRO partitioner
+    looks them up with ``getattr``):
+
+    * ``step_optimizer(optimizer)``: run the optimizer step itself, e.g. sub-group by sub-group
+      around swaps of the optimizer state (zkit-offload's ``nvme``).
+    * ``param_shard_store(dtype)``: at stage 3, return a store that keeps parameter shards
+      elsewhere (files on NVMe) and reads them ahead of use, or ``None``; see
+      ``zkit/zero/stage3.py`` for the calls it must answer.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
