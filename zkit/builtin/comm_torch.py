@@ -138,12 +138,12 @@ class TorchCommunicator(Communicator):
         if self.world_size == 1:
             output.copy_(input)
             return DoneHandle() if async_op else None
-        run = self._reduce_per_rank if self.backend == "gloo" else self._reduce_scatter_flat
-        work, post = self._reduce(output, op, lambda o: run(output, input, o))
+        if self.backend == "gloo":
+            run = lambda o: self._reduce_per_rank(output, input, o)  # noqa: E731
+        else:
+            run = lambda o: _reduce_scatter_flat(output, input, op=o, group=self.group, async_op=True)  # noqa: E731
+        work, post = self._reduce(output, op, run)
         return self._finish(work, async_op, post)
-
-    def _reduce_scatter_flat(self, output, input, op):
-        return _reduce_scatter_flat(output, input, op=op, group=self.group, async_op=True)
 
     def _reduce_per_rank(self, output, input, op):
         # gloo: one reduce to each chunk's owner moves the same bytes as its reduce-scatter but

@@ -43,15 +43,11 @@ def wait_for_parameter_refresh() -> None:
 class ParamRefresh:
     """Background all-gathers of updated parameter units and the waits that guard their use.
 
-    ``units_of_param`` maps ``id(param)`` to the unit holding it; ``launch(unit)`` starts a unit's
-    all-gather and returns its handle (``None`` when nothing needs gathering).
+    ``params_by_unit[u]`` are the parameters unit ``u`` holds.
     """
 
-    def __init__(self, module: torch.nn.Module, params_by_unit: Sequence[Sequence[torch.Tensor]],
-                 launch: Callable[[int], Handle | None]) -> None:
-        self.launch = launch
+    def __init__(self, module: torch.nn.Module, params_by_unit: Sequence[Sequence[torch.Tensor]]) -> None:
         self.unit_of = {id(p): u for u, params in enumerate(params_by_unit) for p in params}
-        self.num_units = len(params_by_unit)
         #: unit -> handle of gathers not waited for yet, in launch order
         self.pending: dict[int, Handle] = {}
         self._in_engine_forward = False
@@ -61,13 +57,11 @@ class ParamRefresh:
         self._hooks = [m.register_forward_pre_hook(self._outside_forward) for m in callers]
         self._hooks.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: self.wait()))
 
-    def start(self) -> None:
-        """Launch every unit's all-gather, first layers first."""
+    def start(self, launch_all: Callable[[], dict[int, Handle]]) -> None:
+        """Run ``launch_all()`` (unit -> handle of its all-gather, in launch order) and keep the
+        handles to wait on; gathers still in flight from before are waited for first."""
         self.wait()
-        for unit in reversed(range(self.num_units)):
-            handle = self.launch(unit)
-            if handle is not None:
-                self.pending[unit] = handle
+        self.pending = dict(launch_all())
         if self.pending:
             _IN_FLIGHT.add(self)
 

@@ -54,7 +54,7 @@ class ZeroPartitioner(Partitioner):
         gathers = self.shards_states and self.world > 1 and self.stage in (1, 2)
         #: background parameter all-gathers (``overlap_param_gather``), else None: gathers in step()
         self.refresh = (
-            ParamRefresh(self.module, self.unit_params, self._launch_gather)
+            ParamRefresh(self.module, self.unit_params)
             if gathers and zc.overlap_param_gather
             else None
         )
@@ -210,18 +210,21 @@ class ZeroPartitioner(Partitioner):
         if not (self.shards_states and self.world > 1):
             return
         if self.refresh is not None:
-            self.refresh.start()
+            self.refresh.start(self._launch_gathers)
             return
-        # first layers first (units are laid out in backward order), as the background path does
-        handles = [self._launch_gather(u) for u in reversed(range(len(self.units)))]
-        for h in handles:
+        for h in self._launch_gathers().values():
             h.wait()
 
-    def _launch_gather(self, unit: int):
-        u, buf = self.units[unit], self.param_bufs[unit]
-        lo, hi = u.shard_range(self.rank)
-        # in place: the input is this rank's own chunk of the output (gloo and NCCL allow it)
-        return self.comm.all_gather(buf, buf[lo:hi], async_op=True)
+    def _launch_gathers(self) -> dict[int, Any]:
+        """Start every unit's all-gather, first layers first (units are laid out in backward
+        order); unit -> handle."""
+        handles = {}
+        for unit in reversed(range(len(self.units))):
+            u, buf = self.units[unit], self.param_bufs[unit]
+            lo, hi = u.shard_range(self.rank)
+            # in place: the input is this rank's own chunk of the output (gloo and NCCL allow it)
+            handles[unit] = self.comm.all_gather(buf, buf[lo:hi], async_op=True)
+        return handles
 
     def wait_for_parameters(self) -> None:
         if self.refresh is not None:

@@ -13,14 +13,8 @@ import offload_ranks as orr
 
 STAGES = (1, 2, 3)
 DTYPES = ("fp32", "bf16", "fp16")
-#: final-parameter tolerance against the same run without offload. Low-precision runs round the
-#: same fp32 master to 16 bits; the CPU kernel and torch's AdamW differ in the last fp32 bits,
-#: which a 16-bit rounding can turn into one 16-bit ulp.
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
-
-
-def _max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+TOLERANCE = orr.TOLERANCE
+_max_diff = orr.max_diff
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,8 @@ import offload_ranks as orr
 #: (dtype, offload_optimizer device, offload_param device)
 CASES = [(d, "none", p) for d in ("fp32", "bf16", "fp16") for p in ("none", "cpu", "nvme")]
 CASES += [("fp32", "cpu", "cpu"), ("fp32", "cpu", "nvme"), ("fp32", "nvme", "nvme"), ("bf16", "nvme", "nvme")]
-TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 2e-3}
-
-
-def _max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+TOLERANCE = orr.TOLERANCE
+_max_diff = orr.max_diff
 
 
 @pytest.fixture(scope="module")
