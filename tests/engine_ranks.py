@@ -367,3 +367,20 @@ def eval_batch_leaves_training_alone() -> dict:
     }
     engine.close()
     return out
+
+
+def gpt_built_with_init() -> float:
+    """GPT re-initialises its children's weights in its own ``__init__``; under Init that runs on
+    the gathered parameters. Returns the largest difference to the same GPT built whole."""
+    from zkit.models.gpt import GPT, GPTConfig
+    from zkit.zero import GatheredParameters, Init
+
+    cfg = GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, d_model=16)
+    torch.manual_seed(0)
+    whole = [p.detach().clone() for p in GPT(cfg).parameters()]
+    torch.manual_seed(torch.distributed.get_rank())  # other draws on rank 1: rank 0's are kept
+    with Init():
+        model = GPT(cfg)
+    with GatheredParameters(list(model.parameters())):
+        built = [p.detach().clone() for p in model.parameters()]
+    return max((a - b).abs().max().item() for a, b in zip(built, whole))

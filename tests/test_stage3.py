@@ -49,6 +49,11 @@ def test_model_built_under_init_is_partitioned_and_trains():
     assert max(sizes) <= 4  # every parameter is a one-element placeholder after Init
 
 
+def test_parent_reinitialising_children_under_init_builds_the_same_model():
+    # each rank seeds differently; rank 0's values are broadcast, as for the parameters themselves
+    assert run_ranks(er.gpt_built_with_init, 2, timeout=120) == [0.0, 0.0]
+
+
 def test_ranks_running_different_modules_are_named():
     import re
 

@@ -26,6 +26,12 @@ class Allocator(abc.ABC):
     * ``param_shard_store(dtype)``: at stage 3, return a store that keeps parameter shards
       elsewhere (files on NVMe) and reads them ahead of use, or ``None``; see
       ``zkit/zero/stage3.py`` for the calls it must answer.
+    * ``master_store(shard_sizes)``: at stages 2-3, return a store that keeps the fp32 master and
+      its gradients elsewhere (files on NVMe), or ``None``. The partitioner then calls
+      ``write_master(unit, values)``, ``read_master(unit)``, ``add_grad(unit, grad)`` (one
+      micro-step's reduced shard, accumulated until ``zero_grad()``), ``grad_norm_sq()`` and
+      ``step(optimizer, owned, grad_factor, publish)``, which steps the optimizer and calls
+      ``publish(unit, master)`` for every updated unit; ``self.master`` holds placeholders.
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -7,6 +7,10 @@ Contestants, one process each (world size 1, gloo), fp32, Adam, one fixed batch:
 * ``zkit-nvme``: zkit stage 3, both on ``nvme`` (``max_in_cpu`` 0: every shard in swap files);
 * ``ds-cpu`` / ``ds-nvme``: DeepSpeed's equivalents (same config keys), in DeepSpeed's interpreter.
 
+The offload contestants build the model under their library's partitioned construction
+(``zkit.zero.Init(config=...)``, ``deepspeed.zero.Init(config_dict_or_path=..., remote_device=...)``),
+as a user training a model larger than memory must; plain PyTorch builds it whole.
+
 Each attempt runs in a child process inside its own memory cgroup (``--cap-gib``; see
 :mod:`bench_offload_common`), so a size that does not fit is killed by the kernel. Sizes are GPT
 depths at a fixed width: doubled from 1 layer until an attempt fails, then bisected between the
@@ -92,8 +96,20 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
     dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = gpt_config(layers, d_model)
     torch.manual_seed(0)
-    model = GPT(cfg)
-    params = sum(p.numel() for p in model.parameters())
+    config = offload_config(variant, nvme_path) if variant != "torch" else None
+    if variant.startswith("zkit"):
+        import zkit.zero
+
+        with zkit.zero.Init(config=config):
+            model = GPT(cfg)
+    elif variant.startswith("ds"):
+        import deepspeed
+
+        with deepspeed.zero.Init(config_dict_or_path=config, remote_device=variant.split("-", 1)[1]):
+            model = GPT(cfg)
+    else:
+        model = GPT(cfg)
+    params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     batch = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(1))
     if variant == "torch":
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
@@ -107,7 +123,7 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
     elif variant.startswith("zkit"):
         import zkit
 
-        engine, *_ = zkit.initialize(model=model, config=offload_config(variant, nvme_path))
+        engine, *_ = zkit.initialize(model=model, config=config)
 
         def step() -> float:
             loss = engine(batch, batch)
@@ -118,7 +134,7 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
         import deepspeed
 
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                          config=offload_config(variant, nvme_path), dist_init_required=False)
+                                          config=config, dist_init_required=False)
 
         def step() -> float:
             loss = engine(batch, batch)

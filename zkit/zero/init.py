@@ -2,7 +2,13 @@
 
 ``with zkit.zero.Init():`` partitions each module's parameters as soon as the module is built, so a
 model larger than one rank's memory can be constructed (each rank only ever holds one module's full
-parameters at a time). ``with zkit.zero.GatheredParameters(params, modifier_rank=0):`` gathers
+parameters at a time). A parent that re-initialises its children's parameters in its own
+``__init__`` (``nn.init.normal_(self.head.weight)``, GPT-style ``reset_parameters``) works: inside
+the context an in-place function on a partitioned parameter gathers it, runs on rank 0's values
+(broadcast, so every world size builds the same model), keeps the result in the shards and
+releases it again. With a ``config`` whose allocator keeps stage-3 shards in a store
+(zkit-offload's ``offload_param.device: nvme``), each module's shard goes there as soon as the
+module is built: host memory never holds the model. ``with zkit.zero.GatheredParameters(params, modifier_rank=0):`` gathers
 partitioned parameters for reading or editing; edits made on ``modifier_rank`` are broadcast and
 written back into every rank's shard (and the engine's fp32 master) on exit. Every rank must enter
 both contexts together, like any collective.
@@ -17,7 +23,7 @@ import torch
 from zkit import distributed
 from zkit.zero.flat import plan_units
 from zkit.zero.param_refresh import wait_for_parameter_refresh
-from zkit.zero.sharded_params import ShardedUnit, ZeroParameter
+from zkit.zero.sharded_params import ACTIVE, ShardedUnit, ZeroParameter
 
 
 def _subclasses(cls: type) -> Iterator[type]:
@@ -48,10 +54,9 @@ class Init:
         self.comm = TorchCommunicator()
         self.device = distributed.default_device()
         self.allocator = DeviceAllocator(self.device)
-        if self.dtype is None and self.config is not None:
-            from zkit.config import load_config
-
-            self.dtype = load_config(self.config, world_size=self.comm.world_size).dtype
+        self.store = None
+        if self.config is not None:
+            self._use_config_allocator()
         for cls in [torch.nn.Module, *_subclasses(torch.nn.Module)]:
             self._wrap(cls)
         original_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
@@ -63,7 +68,44 @@ class Init:
 
         torch.nn.Module.__init_subclass__ = classmethod(init_subclass)
         self._patched.append((torch.nn.Module, ("__init_subclass__", original_init_subclass)))
+        self._active = (ACTIVE.fetch, ACTIVE.after_use)
+        ACTIVE.fetch, ACTIVE.after_use = self._gather, self._after_use
         return self
+
+    def _use_config_allocator(self) -> None:
+        """The dtype and the allocator the config chooses (an offload plugin's shard store)."""
+        from zkit.config import load_config
+        from zkit.plugins import get_plugin_manager
+        from zkit.stack import Stack, merge_plugin_stacks, resolve
+
+        pm = get_plugin_manager()
+        config = load_config(self.config, world_size=self.comm.world_size, sections=pm.config_sections())
+        if self.dtype is None:
+            self.dtype = config.dtype
+        if int(config.zero_optimization.stage) != 3:
+            return
+        answers = pm.call_each_named("zkit_configure", config=config)
+        stack = merge_plugin_stacks(answers.items()) | Stack()
+        for plugin in stack.plugins:
+            if not pm.is_registered(plugin):
+                pm.register(plugin)
+        record = resolve(stack, config, pm)["allocator"]
+        allocator = record.factory(self.device, config)
+        make_store = getattr(allocator, "param_shard_store", None)
+        self.store = make_store(self.dtype or torch.float32) if callable(make_store) else None
+        if self.store is not None:
+            self.allocator = allocator
+
+    def _gather(self, su: ShardedUnit) -> None:
+        su.wait()
+
+    def _after_use(self, su: ShardedUnit, func: Any) -> None:
+        """A torch function ran on a gathered parameter inside the context: keep an in-place
+        change (rank 0's, on every rank) and release the unit again."""
+        if getattr(func, "__name__", "").endswith("_"):
+            self.comm.broadcast(su.full, src=0)
+            su.write_back(self.comm.rank)
+        su.release()
 
     def _wrap(self, cls: type) -> None:
         original = cls.__dict__.get("__init__")
@@ -99,8 +141,13 @@ class Init:
             (unit,) = plan_units([(n, p.shape) for n, p in own], 1 << 62, self.comm.world_size)
             su = ShardedUnit.from_params(unit, [p for _, p in own], self.comm, self.allocator, self.comm.rank, type(module).__name__)
             su.release()
+            if self.store is not None:
+                self.store.adopt([su])
 
     def __exit__(self, *exc: Any) -> None:
+        if hasattr(self, "_active"):
+            ACTIVE.fetch, ACTIVE.after_use = self._active
+            del self._active
         for cls, (name, original) in reversed(self._patched):
             if original is None:
                 delattr(cls, name)

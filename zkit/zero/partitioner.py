@@ -83,10 +83,23 @@ class ZeroPartitioner(Partitioner):
                 p.data = view
             self.param_bufs.append(buf)
 
-    def _build_master(self) -> None:
+    def _build_master(self, copy: bool = False) -> None:
+        """The fp32 master of every unit's shard: the parameters themselves (fp32 on the training
+        device, unless ``copy``), a copy from the allocator, or in the allocator's master store."""
         place = self.allocator.place("master")
+        # Stages 2-3 hold gradients as shards, so an allocator may keep master and gradients
+        # elsewhere (zkit-offload's NVMe): then ``self.master`` holds zero-stride placeholders.
+        make_store = getattr(self.allocator, "master_store", None) if self.stage >= 2 else None
+        self.master_store = make_store([u.shard for u in self.units]) if callable(make_store) else None
+        if self.master_store is not None:
+            self.master_is_param = False
+            self.master = [torch.empty((), dtype=torch.float32).expand(u.shard) for u in self.units]
+            for u in self.units:
+                self.master_store.write_master(u.index, self._param_shard(u))
+                self._done_with_shard(u)
+            return
         # fp32 training with the master on the training device: the parameters *are* the master.
-        self.master_is_param = self.dtype == torch.float32 and place == self.ctx.device
+        self.master_is_param = not copy and self.dtype == torch.float32 and place == self.ctx.device
         self.master: list[torch.Tensor] = []
         if self.master_is_param:
             self.master = [self._param_shard(u) for u in self.units]
@@ -96,8 +109,12 @@ class ZeroPartitioner(Partitioner):
         for u in self.units:
             m = flat[start : start + u.shard]
             m.copy_(self._param_shard(u))
+            self._done_with_shard(u)
             self.master.append(m)
             start += u.shard
+
+    def _done_with_shard(self, unit: Unit) -> None:
+        """Called after :meth:`_param_shard` was read (stage 3 returns a stored shard's buffer)."""
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         rec = self.ctx.optimizer
@@ -170,7 +187,9 @@ class ZeroPartitioner(Partitioner):
     # -- step ------------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for g in self._grad_shards():
+        if self.master_store is not None:
+            sq += self.master_store.grad_norm_sq()
+        for g in self._grad_shards() if self.master_store is None else ():
             sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(sq.device) ** 2
         if self.shards_states and self.world > 1:
             self.comm.all_reduce(sq, "sum")
@@ -184,6 +203,12 @@ class ZeroPartitioner(Partitioner):
 
     def step(self, grad_factor: float) -> None:
         self.wait_for_parameters()  # the in-place all-gathers read the shard the step writes
+        self._master_copies = {}
+        if self.master_store is not None:
+            # master, gradients and state stream through host buffers sub-group by sub-group
+            self.master_store.step(self.optimizer, self.owned, grad_factor, self._publish_unit)
+            self._gather_params()
+            return
         grads = self._master_grads()
         if grad_factor != 1.0:
             for g in grads:
@@ -204,9 +229,22 @@ class ZeroPartitioner(Partitioner):
         """Copy the updated master shard into the model's parameters and all-gather every unit
         (in the background with ``overlap_param_gather``; see :mod:`zkit.zero.param_refresh`)."""
         if not self.master_is_param:
-            for u, buf, m in zip(self.units, self.param_bufs, self.master):
-                lo, hi = u.shard_range(self.rank)
-                buf[lo:hi].copy_(m)
+            for u in self.units:
+                self._publish_unit(u.index, self._master_of(u.index))
+        self._gather_params()
+
+    def _master_of(self, unit: int) -> torch.Tensor:
+        """The fp32 master of ``unit``'s shard (read back when the allocator's store holds it)."""
+        if self.master_store is None:
+            return self.master[unit]
+        return self.master_store.read_master(unit)
+
+    def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
+        """Copy one unit's updated master into this rank's shard of the parameters."""
+        lo, hi = self.units[unit].shard_range(self.rank)
+        self.param_bufs[unit][lo:hi].copy_(master)
+
+    def _gather_params(self) -> None:
         if not (self.shards_states and self.world > 1):
             return
         if self.refresh is not None:
@@ -234,21 +272,28 @@ class ZeroPartitioner(Partitioner):
         return self.refresh.forward() if self.refresh is not None else contextlib.nullcontext()
 
     def after_load(self) -> None:
+        for unit, master in getattr(self, "_master_copies", {}).items():
+            self.master_store.write_master(unit, master)  # what the checkpoint loaded into them
+        self._master_copies = {}
         self.publish_params()
         self.wait_for_parameters()
 
     # -- state -----------------------------------------------------------------------------------
     def pieces(self) -> list[Piece]:
+        """This rank's pieces. A master held in the allocator's store is read into copies here:
+        saving reads them, loading writes into them and :meth:`after_load` stores them back."""
+        if self.master_store is not None:
+            self._master_copies = {u.index: self.master_store.read_master(u.index) for u in self.units}
         return [
             Piece(
                 name=piece.slot.name,
                 shape=piece.slot.shape,
                 start=piece.param_start,
                 end=piece.param_end,
-                master=opt_param.data,
+                master=opt_param.data if self.master_store is None else self._master_copies[u][a:b].view(opt_param.shape),
                 opt_param=opt_param,
             )
-            for opt_param, _, _, _, piece in self.owned
+            for opt_param, u, a, b, piece in self.owned
         ]
 
     def writes_checkpoint(self) -> bool:

@@ -29,6 +29,9 @@ from zkit.zero.flat import Unit
 class _Active(threading.local):
     #: callback(unit) used to gather a released parameter on use; None outside forward/backward.
     fetch: Callable[["ShardedUnit"], None] | None = None
+    #: callback(unit, func) after a torch function ran on a parameter ``fetch`` gathered
+    #: (``zkit.zero.Init``: keep an in-place initialisation and release again); usually None.
+    after_use: Callable[["ShardedUnit", Any], None] | None = None
 
 
 ACTIVE = _Active()
@@ -83,10 +86,17 @@ class ZeroParameter(torch.nn.Parameter):
         kwargs = kwargs or {}
         if getattr(func, "__name__", "") not in _METADATA:
             params = list(_zero_params(args, kwargs))
+            released = [p._zkit_unit for p in params if p._zkit_released]
             for p in params:
                 ensure_gathered(p)
             if func is F.linear and ACTIVE.fetch is not None and isinstance(args[1] if len(args) > 1 else kwargs.get("weight"), ZeroParameter):
                 return _ZeroLinear.apply(*_linear_args(args, kwargs))
+            if ACTIVE.after_use is not None and released:
+                with torch._C.DisableTorchFunctionSubclass():
+                    out = func(*args, **kwargs)
+                for unit in dict.fromkeys(released):
+                    ACTIVE.after_use(unit, func)
+                return out
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 

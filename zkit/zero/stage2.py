@@ -21,7 +21,12 @@ class Stage2(ZeroPartitioner):
     stage = 2
 
     def _init_grads(self) -> None:
-        self.grad_shards = [self.allocator.zeros(u.shard, self.comm_dtype, "grad") for u in self.units]
+        # With a master store (NVMe) the reduced shards go to the store, not to memory.
+        self.grad_shards = (
+            [self.allocator.zeros(u.shard, self.comm_dtype, "grad") for u in self.units]
+            if self.master_store is None
+            else []
+        )
         self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
         in_flight = 2 if self.ctx.config.zero_optimization.overlap_comm else 1
         self._bucket_numel = max(u.padded for u in self.units)
@@ -69,7 +74,7 @@ class Stage2(ZeroPartitioner):
                 view.copy_(p.grad.reshape(-1))
                 p.grad = None
         flat[u.numel :].zero_()
-        if self.accumulated:
+        if self.accumulated or self.master_store is not None:
             # Later micro-steps reduce in place into the bucket's own chunk (gloo and NCCL allow
             # an output that is this rank's chunk of the input), then add it to the shard: no
             # landing area beyond the bucket.
@@ -85,14 +90,20 @@ class Stage2(ZeroPartitioner):
 
     def _finish(self, unit: int) -> None:
         bucket, target = self._launched.pop(unit)
-        if target is not self.grad_shards[unit]:
+        if self.master_store is not None:
+            self.master_store.add_grad(unit, target)
+        elif target is not self.grad_shards[unit]:
             self.grad_shards[unit].add_(target)
         self._free.append(bucket)
 
     def _grad_shards(self):
+        if self.master_store is not None:
+            raise RuntimeError("the gradient shards are in the allocator's master store (NVMe offload), not in memory")
         return self.grad_shards
 
     def zero_grad(self) -> None:
+        if self.master_store is not None:
+            self.master_store.zero_grad()
         for shard in self.grad_shards:
             shard.zero_()
         for params in self.unit_params:

@@ -62,8 +62,10 @@ class Stage3(Stage2):
             existing = getattr(params[0], "_zkit_unit", None)
             if existing is not None and [p for p in existing.params] == params and existing.unit.padded == u.padded:
                 su = existing  # built partitioned by zkit.zero.Init
-                su.unit, su.comm, su.allocator = u, self.comm, self.allocator
-                if su.shard.device != self.allocator.place("param") or su.shard.dtype != self.dtype:
+                su.unit, su.comm, su.allocator, su.module_name = u, self.comm, self.allocator, mname
+                if su.shard is None:
+                    pass  # in Init's shard store: this partitioner's store adopts it (_build_master)
+                elif su.shard.device != self.allocator.place("param") or su.shard.dtype != self.dtype:
                     shard = self.allocator.empty(su.shard.numel(), self.dtype, "param")
                     su.shard = shard.copy_(su.shard)
                 else:
@@ -92,22 +94,29 @@ class Stage3(Stage2):
     def _param_shard(self, unit: Unit) -> torch.Tensor:
         return self.sharded[unit.index].local_shard()
 
-    def _build_master(self) -> None:
+    def _build_master(self, copy: bool = False) -> None:
         make_store = getattr(self.allocator, "param_shard_store", None)
         self.param_store = make_store(self.dtype) if callable(make_store) else None
-        if self.param_store is None:
-            super()._build_master()
-        else:
-            # Shards leave memory: the optimizer cannot step on them in place, so the fp32 master
-            # is a copy even where it could have been the parameters themselves.
-            self.master_is_param = False
-            flat = self.allocator.empty(sum(u.shard for u in self.units), torch.float32, "master")
-            self.master = list(flat.split([u.shard for u in self.units]))
-            for su, m in zip(self.sharded, self.master):
-                m.copy_(su.shard)
+        # Shards that leave memory cannot be stepped in place: the fp32 master is then a copy
+        # even where it could have been the parameters themselves.
+        super()._build_master(copy=copy or self.param_store is not None)
+        if self.param_store is not None:
             self.param_store.adopt([su for su in self.sharded if not su.persistent])
+        for su in self.sharded:
+            if su.store is not None and su.store is not self.param_store:
+                # built by zkit.zero.Init into a store this partitioner does not use: into memory
+                su.shard, su.store = su.store.take(su, self.allocator), None
         for su, m in zip(self.sharded, self.master):
-            su.master = None if self.master_is_param else m  # GatheredParameters edits reach it
+            # GatheredParameters edits reach the master through ``su.master.copy_``
+            if self.master_store is not None:
+                su.master = _StoredMaster(self.master_store, su.unit.index)
+            else:
+                su.master = None if self.master_is_param else m
+
+    def _done_with_shard(self, unit: Unit) -> None:
+        su = self.sharded[unit.index]
+        if su.store is not None:
+            su.store.release(su)
 
     # -- gathering -------------------------------------------------------------------------------
     def _live(self) -> int:
@@ -208,11 +217,12 @@ class Stage3(Stage2):
         return handle
 
     # -- step ------------------------------------------------------------------------------------
-    def publish_params(self) -> None:
+    def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
+        self.sharded[unit].set_shard(master)
+
+    def _gather_params(self) -> None:
         handles = []
-        for su, m in zip(self.sharded, self.master):
-            if not self.master_is_param:
-                su.set_shard(m)
+        for su in self.sharded:
             if su.persistent:
                 src = su.shard if su.shard.device == su.full.device else su.shard.to(su.full.device)
                 handles.append(self.comm.all_gather(su.full, src, async_op=True))
@@ -224,3 +234,14 @@ class Stage3(Stage2):
         for h in self._hooks_fwd:
             h.remove()
         self._hooks_fwd = []
+
+
+class _StoredMaster:
+    """``ShardedUnit.master`` for a master kept in the allocator's store: an edit made under
+    ``GatheredParameters`` is written to the store."""
+
+    def __init__(self, store, unit: int) -> None:
+        self.store, self.unit = store, unit
+
+    def copy_(self, values: torch.Tensor) -> None:
+        self.store.write_master(self.unit, values)

@@ -131,7 +131,9 @@ def training_matrix(cases: list[tuple[int, str, str]], nvme_root: str, steps: in
             result.update(swap_files=seen, state_type=type(state).__name__,
                           resident_tensors=sum(t.numel() for st in state.values() for t in st.values()
                                                if torch.is_tensor(t) and t.dim() > 0),
-                          swap_dir=str(engine.allocator.swapper.dir))
+                          swap_dir=str(engine.allocator.swapper.dir),
+                          master_is_placeholder=all(m.stride() == (0,) for m in engine.partitioner.master),
+                          grad_shards=len(getattr(engine.partitioner, "grad_shards", ())))
         engine.close()
         if device == "nvme":
             result["swap_dir_after_close"] = Path(result["swap_dir"]).exists()
@@ -218,3 +220,27 @@ def param_offload_error(nvme_root: str, zero: dict) -> str:
         return str(exc)
     engine.close()
     return ""
+
+
+def built_into_nvme(nvme_root: str, steps: int = 3) -> dict:
+    """A model built under ``zkit.zero.Init`` with an NVMe ``offload_param`` config (every shard
+    to NVMe as its module is built) trains like the same model built whole without offload."""
+    from zkit.zero import Init
+
+    world = torch.distributed.get_world_size()
+    base_engine, *_ = zkit.initialize(model=make_model(), config=config(3, "fp32", world))
+    base = train(base_engine, steps, 2)
+    base_params = params_of(base_engine)
+    base_engine.close()
+    cfg = config(3, "fp32", world, "nvme", nvme_root, param="nvme")
+    with Init(config=cfg):
+        model = make_model()
+    units = {id(p._zkit_unit): p._zkit_unit for p in model.parameters()}.values()
+    in_memory_at_build = sorted(su.unit.shard for su in units if su.shard is not None)
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    losses = train(engine, steps, 2)
+    out = {"base": base, "losses": losses, "diff": max_diff(params_of(engine), base_params),
+           "in_memory_at_build": in_memory_at_build,
+           "stored": sorted(su.module_name for su in engine.partitioner.sharded if su.store is not None)}
+    engine.close()
+    return out

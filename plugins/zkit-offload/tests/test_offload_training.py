@@ -53,10 +53,16 @@ def test_nvme_offload_matches_no_offload(results, nvme_root, stage, dtype):
         assert off["losses"] == pytest.approx(base["losses"], rel=TOLERANCE[dtype])
         # between steps the state is in the swap files: host memory keeps only the step counts
         assert off["state_type"] == "SwappedState" and off["resident_tensors"] == 0
-        # two state tensors (exp_avg, exp_avg_sq) per sub-group, written from the first step on
+        # two state tensors (exp_avg, exp_avg_sq) per sub-group, written from the first step on;
+        # at stages 2-3 the fp32 master and its gradients are swapped with them
         files = off["swap_files"]
         assert len(files) == 3 and files[0] and all(f == files[0] for f in files)
-        assert sum(".exp_avg_sq." in f for f in files[0]) * 2 == len(files[0])
+        names = (".exp_avg.", ".exp_avg_sq.") + ((".master.", ".grad.") if stage >= 2 else ())
+        per_name = [sum(n in f for f in files[0]) for n in names]
+        assert per_name[0] > 0 and all(c == per_name[0] for c in per_name)
+        assert sum(per_name) == len(files[0])
+        if stage >= 2:  # no fp32 master or gradient shard in memory
+            assert off["master_is_placeholder"] and off["grad_shards"] == 0
         assert not off["swap_dir_after_close"]
     assert list(nvme_root.iterdir()) == []  # every run directory removed by engine.close()
 

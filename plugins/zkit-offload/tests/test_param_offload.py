@@ -117,3 +117,14 @@ def test_param_offloaded_checkpoint_resumes_and_reshards(checkpoint_runs, case):
     assert one[case]["steps"] == 2
     assert _max_diff(one[case]["params"], full[0][case]["params"]) < 1e-5
     assert list(nvme.iterdir()) == []
+
+
+def test_model_built_under_init_goes_straight_to_nvme(tmp_path):
+    """``zkit.zero.Init(config=...)`` with ``offload_param`` on NVMe: shards leave host memory
+    as each module is built (only the ``max_in_cpu`` one stays), and training matches."""
+    for out in run_ranks(orr.built_into_nvme, 2, args=(str(tmp_path),), timeout=180):
+        assert out["in_memory_at_build"] == [orr.PARAM_NVME["max_in_cpu"]]  # the LayerNorm's shard
+        assert out["stored"] == ["embed", "mix"]
+        assert out["diff"] < orr.TOLERANCE["fp32"]
+        assert out["losses"] == pytest.approx(out["base"], rel=orr.TOLERANCE["fp32"])
+    assert list(tmp_path.iterdir()) == []

@@ -24,9 +24,11 @@ from zkit.alloc import Allocator
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.cpu_optimizer import FusedCPUOptimizer
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zkit_offload.host_memory import serve_large_blocks_from_mmap
 from zkit_offload.param_store import NVMeParamStore
 from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups
 from zkit_offload.swap import NVMeSwapper, aligned_empty
+from zkit_offload.swapped_master import SwappedMasterStore
 from zkit_offload.swapped_state import SubGroupPlan, SwappedState
 
 HOST_PURPOSES = ("master", "master_grad", "optim_state")
@@ -84,6 +86,7 @@ class NVMeAllocator(HostAllocator):
             raise ValueError("the 'nvme' allocator needs zero_optimization.offload_optimizer.device or "
                              "zero_optimization.offload_param.device 'nvme' (with an nvme_path)")
         self.aio = aio or _section(config, AioConfig.SECTION, AioConfig)
+        serve_large_blocks_from_mmap()  # freed shards and buffers go back to the OS at once
         self.swapper: NVMeSwapper | None = None
         self.param_swapper: NVMeSwapper | None = None
         if self.optimizer_config.device == "nvme":
@@ -99,6 +102,7 @@ class NVMeAllocator(HostAllocator):
         self._buffers: SubGroupBuffers | None = None
         self._stepped: set[int] = set()
         self._plan: SubGroupPlan | None = None
+        self._master_store: SwappedMasterStore | None = None
 
     def param_shard_store(self, dtype: torch.dtype) -> NVMeParamStore | None:
         """Where stage 3 keeps its parameter shards: an :class:`NVMeParamStore` with
@@ -123,6 +127,8 @@ class NVMeAllocator(HostAllocator):
         return stats
 
     def _optimizer_nvme_bytes(self) -> int:
+        if self._master_store is not None:  # master and gradients too, from the start
+            return self._master_store.nvme_bytes
         if self._plan is None:
             return 0
         return sum(self._plan.sizes) * len(self._plan.state_names) * 4  # fp32 state tensors
@@ -148,38 +154,35 @@ class NVMeAllocator(HostAllocator):
             return
         state = self._swapped_state(optimizer)
         plan = state.plan
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
 
         def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
-            stepped = []
-            for p, offset in plan.members[i]:
-                st = state.resident(p)
-                views = {name: t[offset : offset + p.numel()].view_as(p) for name, t in tensors.items()}
-                if state.pending(p):  # loaded from a checkpoint since the last step
-                    for name, v in views.items():
-                        v.copy_(st[name].reshape(p.shape))
-                elif "step" not in st:  # never stepped: the optimizer's initial state
-                    optimizer._init_state(group_of[id(p)], p, st)
-                    for name, v in views.items():
-                        v.copy_(st[name])
-                st.update(views)
-                if p.grad is not None:
-                    stepped.append(p)
+            state.bind(i, tensors, optimizer)
+            stepped = [p for p, _ in plan.members[i] if p.grad is not None]
             if stepped:
                 optimizer.fused_step(grad_factor, params=stepped)
-            for p, _ in plan.members[i]:
-                st = state.resident(p)
-                for name in plan.state_names:
-                    st.pop(name, None)  # the buffers are reused by the next sub-groups
+            state.unbind(i)  # the buffers are reused by the next sub-groups
 
         fresh = set(range(len(plan))) - state.on_disk
         with state.raw():
             self.step_in_subgroups(plan.subgroups(), step, fresh=fresh)
         state.on_disk.update(range(len(plan)))
 
-    def _swapped_state(self, optimizer: "FusedCPUOptimizer") -> SwappedState:
+    def master_store(self, shard_sizes: Sequence[int]) -> SwappedMasterStore | None:
+        """Stages 2-3 with ``offload_optimizer.device == "nvme"``: a
+        :class:`~zkit_offload.swapped_master.SwappedMasterStore` keeping the fp32 master and its
+        gradients on NVMe with the optimizer state (``shard_sizes``: elements per unit's shard);
+        otherwise ``None`` (the master stays in host memory)."""
+        if self.swapper is None:
+            return None
+        if self._master_store is not None:
+            raise ValueError("this NVMe allocator already holds the master of one partitioner")
+        self._master_store = SwappedMasterStore(self, shard_sizes, self.sub_group_size)
+        return self._master_store
+
+    def _swapped_state(self, optimizer: "FusedCPUOptimizer", plan: SubGroupPlan | None = None) -> SwappedState:
         """``optimizer.state`` as a :class:`SwappedState`, installed on the first step (and again
-        after ``optimizer.load_state_dict``, which replaces it with a plain dict)."""
+        after ``optimizer.load_state_dict``, which replaces it with a plain dict). ``plan``: the
+        sub-group layout to use (default: the parameters packed by ``sub_group_size``)."""
         from zkit_offload.cpu_optimizer import FusedCPUOptimizer
 
         if not isinstance(optimizer, FusedCPUOptimizer):
@@ -194,7 +197,7 @@ class NVMeAllocator(HostAllocator):
                                  "build a new optimizer (and engine) for a different set of parameters")
             return state
         if self._plan is None:
-            self._plan = SubGroupPlan(params, optimizer._state_names, self.sub_group_size)
+            self._plan = plan or SubGroupPlan(params, optimizer._state_names, self.sub_group_size)
         elif not self._plan.matches(params):
             raise ValueError("step_optimizer: this NVMe allocator swaps the state of one optimizer; got another "
                              "one (different parameters)")
@@ -204,21 +207,26 @@ class NVMeAllocator(HostAllocator):
 
     def step_in_subgroups(self, subgroups: Sequence[Mapping[str, int]],
                           step: Callable[[int, dict[str, torch.Tensor]], None],
-                          fresh: bool | Container[int] | None = None) -> None:
+                          fresh: bool | Container[int] | None = None, fresh_names: Container[str] | None = None,
+                          read_only: Container[str] = ()) -> None:
         """Call ``step(i, tensors)`` for each sub-group (``{name: numel}``) with its swapped
         tensors in host buffers, reading ahead and writing behind (buffer_count buffer sets).
-        ``fresh``: sub-groups that start zero-filled (no read); by default those never written."""
+        ``fresh``: sub-groups that start zero-filled (no read); by default those never written;
+        ``fresh_names`` and ``read_only`` as in :func:`~zkit_offload.pipeline.step_in_subgroups`."""
         if self._buffers is None:
             self._buffers = SubGroupBuffers(subgroups, max(2, self.optimizer_config.buffer_count))
             self.track("optim_state", sum(t.numel() * t.element_size() for s in self._buffers.sets for t in s.values()))
         if fresh is None:
             fresh = set(range(len(subgroups))) - self._stepped
-        step_in_subgroups(self.swapper, subgroups, step, self._buffers, fresh=fresh)
+        step_in_subgroups(self.swapper, subgroups, step, self._buffers, fresh=fresh, fresh_names=fresh_names,
+                          read_only=read_only)
         self._stepped.update(range(len(subgroups)))
 
     def close(self) -> None:
         """Finish pending writes, delete the swap files and stop the I/O threads."""
         try:
+            if self._master_store is not None:
+                self._master_store.flush()
             for store in self._param_stores:
                 store.flush()
         finally:

@@ -23,6 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
+from zkit_offload.host_memory import trim
 from zkit_offload.swap import NVMeSwapper, SwapHandle, aligned_empty
 
 
@@ -64,6 +65,8 @@ class NVMeParamStore:
         self._key: dict[int, str] = {}
         self._where: dict[int, _Buffer] = {}
         self._clock = itertools.count(1)
+        self._serial = itertools.count()
+        self._in_cpu = 0  # elements of adopted shards kept in host memory (max_in_cpu)
         #: bytes of shards in swap files
         self.nvme_bytes = 0
 
@@ -75,13 +78,17 @@ class NVMeParamStore:
 
     # -- set-up ----------------------------------------------------------------------------------
     def adopt(self, units: Sequence[Any]) -> None:
-        """Move the shards of ``units`` (in memory now) to NVMe, except the first ``max_in_cpu``
-        elements' worth, which stay in host memory."""
-        in_cpu, swapped = 0, []
+        """Move the shards of ``units`` to NVMe, except the first ``max_in_cpu`` elements' worth
+        (over all calls), which stay in host memory. A shard is in memory (``su.shard``) or in
+        another store (a model built under ``zkit.zero.Init`` with this config): it is then moved
+        one unit at a time, so host memory never holds more than one of them."""
+        swapped = []
         for su in units:
             n = su.unit.shard
-            if in_cpu + n <= self.max_in_cpu:
-                in_cpu += n
+            if self._in_cpu + n <= self.max_in_cpu:
+                self._in_cpu += n
+                if su.store is not None:
+                    su.shard, su.store = su.store.take(su, self.allocator), None
             else:
                 swapped.append(su)
         largest = max(swapped, key=lambda su: su.unit.shard, default=None)
@@ -93,13 +100,23 @@ class NVMeParamStore:
             )
         if not swapped:
             return
-        size = max(su.unit.shard for su in swapped)
-        self.buffers = [_Buffer(aligned_empty(size, self.dtype)) for _ in range(self.buffer_count)]
-        self.allocator.track("param", sum(b.data.numel() * b.data.element_size() for b in self.buffers))
+        self._grow_buffers(max(su.unit.shard for su in swapped))
         writes = []
         for su in swapped:
-            key = f"param{su.unit.index}.{su.module_name or 'root'}"
+            key = f"param{next(self._serial)}.{su.module_name or 'root'}"
             self._key[id(su)] = key
+            if su.store is not None:  # another store's: through this store's first buffer
+                staging = self.buffers[0]
+                if staging.unit is not None:
+                    self.flush()
+                    del self._where[id(staging.unit)]
+                    staging.unit = None
+                view = staging.data[: su.unit.shard]
+                su.store.take(su, into=view)
+                self.swapper.write(key, view)
+                self.nvme_bytes += view.numel() * view.element_size()
+                su.store = self
+                continue
             shard = su.shard.contiguous() if su.shard.device.type == "cpu" else su.shard.cpu()
             writes.append((su, shard, self.swapper.swap_out(key, shard)))
         for su, shard, handle in writes:
@@ -107,6 +124,37 @@ class NVMeParamStore:
             self.allocator.release(su.shard, "param")
             self.nvme_bytes += shard.numel() * shard.element_size()
             su.shard, su.store = None, self
+        writes.clear()
+        shard = None  # noqa: F841 - the last shard's memory too
+        trim()  # the shards' memory, back to the OS
+
+    def take(self, su: Any, allocator: Any = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Remove ``su``'s shard from this store and return it: read into ``into``, or into a new
+        buffer from ``allocator`` (purpose ``"param"``). Its swap file is deleted."""
+        self.flush()
+        buf = self._where.pop(id(su), None)
+        if buf is not None:
+            buf.unit, buf.users, buf.prefetched = None, 0, False
+        key = self._key.pop(id(su))
+        if into is None:
+            into = allocator.empty(su.unit.shard, self.dtype, "param")
+        self.swapper.read(key, into)
+        self.swapper.remove(key)
+        self.nvme_bytes -= into.numel() * into.element_size()
+        return into
+
+    def _grow_buffers(self, size: int) -> None:
+        """At least ``buffer_count`` buffers of ``size`` elements (a later :meth:`adopt` may bring
+        a larger shard; nothing is resident while units are being adopted)."""
+        if self.buffers and self.buffers[0].data.numel() >= size:
+            return
+        self.flush()
+        for b in self.buffers:
+            if b.unit is not None:
+                del self._where[id(b.unit)]
+        self.allocator.track("param", -sum(b.data.numel() * b.data.element_size() for b in self.buffers))
+        self.buffers = [_Buffer(aligned_empty(size, self.dtype)) for _ in range(self.buffer_count)]
+        self.allocator.track("param", sum(b.data.numel() * b.data.element_size() for b in self.buffers))
 
     # -- reads -----------------------------------------------------------------------------------
     def prefetch(self, su: Any) -> None:

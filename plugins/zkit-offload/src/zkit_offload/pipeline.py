@@ -48,12 +48,16 @@ def step_in_subgroups(
     buffers: SubGroupBuffers,
     *,
     fresh: bool | Container[int] = False,
+    fresh_names: Container[str] | None = None,
+    read_only: Container[str] = (),
 ) -> None:
     """Run ``step(i, tensors)`` for every sub-group with its tensors read from NVMe, written back
     after the step, overlapping the I/O of neighbours with the step (see the module docstring).
 
     ``fresh=True`` skips the reads and hands ``step`` zero-filled buffers (the first step, when
-    nothing was swapped out yet); a collection of indices does so for those sub-groups only. A failed read or write raises :class:`~zkit_offload.SwapError`
+    nothing was swapped out yet); a collection of indices does so for those sub-groups only;
+    ``fresh_names`` limits this to some tensors (default: all). Tensors named in ``read_only``
+    are not written back. A failed read or write raises :class:`~zkit_offload.SwapError`
     after the pending I/O has finished; a sub-group whose write failed is never read again.
     """
     n = len(subgroups)
@@ -65,11 +69,12 @@ def step_in_subgroups(
         if i - slots >= 0 and writes[i - slots] is not None:
             writes[i - slots].wait()  # its buffer is the one we are about to fill
         views = buffers.views(i % slots, subgroups[i])
-        if fresh is True or (fresh is not False and i in fresh):
-            for t in views.values():
+        handles = []
+        for name, t in views.items():
+            if (fresh is True or (fresh is not False and i in fresh)) and (fresh_names is None or name in fresh_names):
                 t.zero_()
-            return
-        handles = [swapper.swap_in(subgroup_key(i, name), t) for name, t in views.items()]
+            else:
+                handles.append(swapper.swap_in(subgroup_key(i, name), t))
         reads[i] = _All(handles)
 
     try:
@@ -82,7 +87,8 @@ def step_in_subgroups(
                 reads[i].wait()
             views = buffers.views(i % slots, subgroups[i])
             step(i, views)
-            writes[i] = _All([swapper.swap_out(subgroup_key(i, name), t) for name, t in views.items()])
+            writes[i] = _All([swapper.swap_out(subgroup_key(i, name), t) for name, t in views.items()
+                              if name not in read_only])
     finally:
         errors = []
         for h in [*reads, *writes]:

@@ -168,12 +168,14 @@ class NVMeSwapper:
         k.path.unlink(missing_ok=True)
 
     # -- I/O -------------------------------------------------------------------------------------
-    def swap_out(self, key: str, tensor: torch.Tensor) -> SwapHandle:
-        """Start writing ``tensor`` (contiguous, CPU) to ``key``'s file (registered on first use)."""
+    def swap_out(self, key: str, tensor: torch.Tensor, offset: int | None = None) -> SwapHandle:
+        """Start writing ``tensor`` (contiguous, CPU) to ``key``'s file (registered on first use).
+        ``offset`` (bytes, a multiple of :data:`ALIGN`) writes it over part of a registered key."""
         buf = self._bytes_of(tensor, "swap_out")
-        if key not in self._keys:
+        if key not in self._keys and offset is None:
             self.register(key, buf.size)
-        k = self._check_size(key, buf.size)
+        k = self._check_size(key, buf.size, offset)
+        base = offset or 0
         k.broken = "a write is in progress"
 
         def finish(error: BaseException | None) -> None:
@@ -181,12 +183,14 @@ class NVMeSwapper:
             if error is None:
                 self.bytes_written += buf.size
 
-        return SwapHandle([self._pool.submit(self._write, k, buf, off) for off in self._chunks(buf.size)], finish)
+        return SwapHandle([self._pool.submit(self._write, k, buf, off, base) for off in self._chunks(buf.size)], finish)
 
-    def swap_in(self, key: str, tensor: torch.Tensor) -> SwapHandle:
-        """Start reading ``key`` into ``tensor`` (contiguous, CPU, the size it was written with)."""
+    def swap_in(self, key: str, tensor: torch.Tensor, offset: int | None = None) -> SwapHandle:
+        """Start reading ``key`` into ``tensor`` (contiguous, CPU, the size it was written with;
+        with ``offset``, a part of the key starting there, as in :meth:`swap_out`)."""
         buf = self._bytes_of(tensor, "swap_in")
-        k = self._check_size(key, buf.size)
+        k = self._check_size(key, buf.size, offset)
+        base = offset or 0
         if k.broken is not None:
             raise SwapError(f"swap file {str(k.path)!r} of {key!r} cannot be read: {k.broken}")
         try:
@@ -200,7 +204,7 @@ class NVMeSwapper:
             if error is None:
                 self.bytes_read += buf.size
 
-        return SwapHandle([self._pool.submit(self._read, k, buf, off) for off in self._chunks(buf.size)], finish)
+        return SwapHandle([self._pool.submit(self._read, k, buf, off, base) for off in self._chunks(buf.size)], finish)
 
     def write(self, key: str, tensor: torch.Tensor) -> None:
         """Synchronous :meth:`swap_out`."""
@@ -235,10 +239,14 @@ class NVMeSwapper:
         except KeyError:
             raise KeyError(f"swap key {key!r} is not registered; known: {', '.join(self._keys) or '(none)'}") from None
 
-    def _check_size(self, key: str, nbytes: int) -> _Key:
+    def _check_size(self, key: str, nbytes: int, offset: int | None = None) -> _Key:
         k = self._get(key)
-        if nbytes != k.nbytes:
-            raise ValueError(f"swap key {key!r} holds {k.nbytes} bytes; the tensor has {nbytes}")
+        if offset is None:
+            if nbytes != k.nbytes:
+                raise ValueError(f"swap key {key!r} holds {k.nbytes} bytes; the tensor has {nbytes}")
+        elif offset % ALIGN or offset < 0 or offset + nbytes > k.nbytes:
+            raise ValueError(f"swap key {key!r} holds {k.nbytes} bytes; cannot access {nbytes} bytes at offset "
+                             f"{offset} (offsets are multiples of {ALIGN} inside the key)")
         return k
 
     @staticmethod
@@ -262,7 +270,7 @@ class NVMeSwapper:
     def _aligned(self, view: np.ndarray) -> bool:
         return not self.direct or (view.ctypes.data % ALIGN == 0 and view.size % ALIGN == 0)
 
-    def _write(self, k: _Key, buf: np.ndarray, off: int) -> None:
+    def _write(self, k: _Key, buf: np.ndarray, off: int, base: int = 0) -> None:
         view = buf[off: off + self.block_size]
         if not self._aligned(view):
             stage = self._staging()
@@ -270,16 +278,16 @@ class NVMeSwapper:
             stage[: view.size] = view
             stage[view.size: padded] = 0
             view = stage[:padded]
-        self._io(os.pwrite, k, view, off, "write")
+        self._io(os.pwrite, k, view, base + off, "write")
 
-    def _read(self, k: _Key, buf: np.ndarray, off: int) -> None:
+    def _read(self, k: _Key, buf: np.ndarray, off: int, base: int = 0) -> None:
         view = buf[off: off + self.block_size]
         if self._aligned(view):
-            self._io(os.preadv, k, view, off, "read")
+            self._io(os.preadv, k, view, base + off, "read")
             return
         stage = self._staging()
         padded = _round_up(view.size, ALIGN)
-        self._io(os.preadv, k, stage[:padded], off, "read")
+        self._io(os.preadv, k, stage[:padded], base + off, "read")
         view[:] = stage[: view.size]
 
     @staticmethod

@@ -55,6 +55,20 @@ class SubGroupPlan:
             fill += n
         self.sizes = [sum(p.numel() for p, _ in m) for m in self.members]
 
+    @classmethod
+    def from_layout(cls, members: Sequence[Sequence[tuple[torch.Tensor, int]]], sizes: Sequence[int],
+                    state_names: Sequence[str]) -> "SubGroupPlan":
+        """A plan with a given layout: ``members[i]`` are ``(param, offset)`` pairs of sub-group
+        ``i`` of ``sizes[i]`` elements (gaps allowed), as :mod:`zkit_offload.swapped_master` lays
+        out whole units on aligned offsets."""
+        self = cls.__new__(cls)
+        self.state_names = tuple(state_names)
+        self.members = [[(p, off) for p, off in m if p.numel() > 0] for m in members]
+        self.params = [p for m in self.members for p, _ in m]
+        self.where = {id(p): (i, off) for i, m in enumerate(self.members) for p, off in m}
+        self.sizes = list(sizes)
+        return self
+
     def __len__(self) -> int:
         return len(self.members)
 
@@ -105,6 +119,31 @@ class SwappedState(defaultdict):
         """Whether ``p`` holds state tensors in memory that its sub-group's file does not have yet."""
         st = dict.get(self, p)
         return bool(st) and all(torch.is_tensor(st.get(n)) and st[n].dim() > 0 for n in self.plan.state_names)
+
+    def bind(self, index: int, tensors: dict[str, torch.Tensor], optimizer: Any) -> None:
+        """Point the state of sub-group ``index``'s parameters at ``tensors`` (its host buffers,
+        read from the swap files), filling them first from state loaded since the last step or
+        from the optimizer's initial state for parameters never stepped. Inside :meth:`raw`."""
+        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        for p, offset in self.plan.members[index]:
+            st = self.resident(p)
+            views = {name: t[offset : offset + p.numel()].view(p.shape) for name, t in tensors.items()
+                     if name in self.plan.state_names}
+            if self.pending(p):  # loaded from a checkpoint since the last step
+                for name, v in views.items():
+                    v.copy_(st[name].reshape(p.shape))
+            elif "step" not in st:  # never stepped: the optimizer's initial state
+                optimizer._init_state(group_of[id(p)], p, st)
+                for name, v in views.items():
+                    v.copy_(st[name].reshape(p.shape))
+            st.update(views)
+
+    def unbind(self, index: int) -> None:
+        """Drop the views :meth:`bind` made (the buffers go on to other sub-groups)."""
+        for p, _ in self.plan.members[index]:
+            st = self.resident(p)
+            for name in self.plan.state_names:
+                st.pop(name, None)
 
     # -- reading the whole state -----------------------------------------------------------------------
     def __getitem__(self, p: torch.Tensor) -> dict[str, Any]:

@@ -1,0 +1,228 @@
+"""The fp32 master and its gradients on NVMe, next to the optimizer state (ZeRO-Infinity).
+
+With ``offload_optimizer.device == "nvme"`` at ZeRO stages 2 and 3, the partitioner asks its
+allocator for a *master store* (``master_store(shard_sizes)``, one size per unit) and from then on
+keeps no fp32 master and no gradient shard in memory: host memory holds a few buffers whatever the
+model size, which is what lets a model far larger than host memory train.
+
+**Layout.** The units' shards, in unit order, each starting on a :data:`~zkit_offload.swap.ALIGN`
+boundary (direct I/O writes a unit without touching its neighbours), are packed into sub-groups of
+about ``sub_group_size`` elements; a larger unit is a sub-group on its own. Each sub-group has one
+swap file per tensor, all with this layout: ``master``, ``grad`` and the optimizer's state
+(``exp_avg``, ``exp_avg_sq``...), so one step reads everything a sub-group needs.
+
+**Gradients.** :meth:`SwappedMasterStore.add_grad` takes a unit's reduced gradient shard of one
+micro-step, converts it to fp32 in one of two staging buffers (adding what the file holds when an
+earlier micro-step of the batch wrote the unit), notes its squared norm for clipping and the
+overflow check, and writes it back asynchronously while backward goes on.
+
+**Step.** :meth:`SwappedMasterStore.step` runs the sub-group pipeline
+(:func:`~zkit_offload.pipeline.step_in_subgroups`): read master, gradient and state of sub-group
+``i+1`` while ``i`` steps and ``i-1`` is written back. During a sub-group's step its optimizer
+parameters point into the read buffers; in between they are zero-stride placeholders of the right
+shape (``p.shape`` answers, no memory), and the partitioner's ``publish(unit, master)`` copies
+each updated unit into the model's parameters (or the parameter store).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from zkit_offload.host_memory import trim
+from zkit_offload.pipeline import subgroup_key
+from zkit_offload.swap import ALIGN, SwapHandle, aligned_empty
+from zkit_offload.swapped_state import SubGroupPlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit_offload.allocators import NVMeAllocator
+
+#: fp32 elements per alignment block: every unit starts on one
+ALIGN_ELEMS = ALIGN // 4
+
+
+def _round_up(n: int, align: int) -> int:
+    return (n + align - 1) // align * align
+
+
+def placeholder(shape: torch.Size | Sequence[int]) -> torch.Tensor:
+    """A zero-stride fp32 tensor of ``shape`` backed by one element (no memory for the values)."""
+    return torch.empty((), dtype=torch.float32).expand(tuple(shape))
+
+
+class SwappedMasterStore:
+    """fp32 master shards and their gradients in swap files (module docstring).
+
+    Args:
+        allocator: the NVMe allocator (its optimizer swapper, sub-group pipeline and byte counts).
+        shard_sizes: elements of this rank's shard of each unit, in unit order.
+        sub_group_size: elements per sub-group.
+    """
+
+    def __init__(self, allocator: "NVMeAllocator", shard_sizes: Sequence[int], sub_group_size: int) -> None:
+        if sub_group_size < 1:
+            raise ValueError(f"sub_group_size must be at least 1 element, got {sub_group_size}")
+        self.allocator = allocator
+        self.swapper = allocator.swapper
+        self.shard_sizes = [int(n) for n in shard_sizes]
+        #: per unit: (sub-group, offset in elements); per sub-group: size and units
+        self.unit_at: list[tuple[int, int]] = []
+        self.sizes: list[int] = []
+        self.units_of: list[list[int]] = []
+        for unit, n in enumerate(self.shard_sizes):
+            padded = _round_up(n, ALIGN_ELEMS)
+            if not self.sizes or (self.sizes[-1] > 0 and self.sizes[-1] + padded > sub_group_size):
+                self.sizes.append(0)
+                self.units_of.append([])
+            self.unit_at.append((len(self.sizes) - 1, self.sizes[-1]))
+            self.units_of[-1].append(unit)
+            self.sizes[-1] += padded
+        for i, n in enumerate(self.sizes):
+            for name in ("master", "grad"):
+                self.swapper.register(subgroup_key(i, name), n * 4)
+        largest = max((_round_up(n, ALIGN_ELEMS) for n in self.shard_sizes), default=0)
+        self._staging = [aligned_empty(largest, torch.float32) for _ in range(2)]
+        self._staging_write: list[SwapHandle | None] = [None, None]
+        self._turn = 0
+        allocator.track("master_grad", sum(b.numel() * 4 for b in self._staging))
+        self._unit_write: dict[tuple[str, int], SwapHandle] = {}
+        self._sq: dict[int, float] = {}  # unit -> squared norm of its gradient so far this batch
+        self.plan: SubGroupPlan | None = None
+        self._state_names: tuple[str, ...] = ()
+
+    @property
+    def nvme_bytes(self) -> int:
+        """Bytes of master, gradients and (once stepped) optimizer state in swap files."""
+        return sum(self.sizes) * 4 * (2 + len(self._state_names))
+
+    # -- units -----------------------------------------------------------------------------------
+    def _where(self, name: str, unit: int) -> tuple[str, int]:
+        index, offset = self.unit_at[unit]
+        return subgroup_key(index, name), offset * 4
+
+    def _stage(self) -> torch.Tensor:
+        """The next staging buffer, once its previous write has finished."""
+        self._turn ^= 1
+        pending = self._staging_write[self._turn]
+        if pending is not None:
+            pending.wait()
+            self._staging_write[self._turn] = None
+        return self._staging[self._turn]
+
+    def _write(self, name: str, unit: int, values: torch.Tensor) -> None:
+        key, offset = self._where(name, unit)
+        handle = self.swapper.swap_out(key, values, offset)
+        self._staging_write[self._turn] = handle
+        self._unit_write[(name, unit)] = handle
+
+    def _settle(self, name: str, unit: int) -> None:
+        handle = self._unit_write.pop((name, unit), None)
+        if handle is not None:
+            handle.wait()
+
+    def _read(self, name: str, unit: int, into: torch.Tensor) -> None:
+        self._settle(name, unit)
+        key, offset = self._where(name, unit)
+        self.swapper.swap_in(key, into, offset).wait()
+
+    def write_master(self, unit: int, values: torch.Tensor) -> None:
+        """New fp32 values of ``unit``'s master shard (initial, loaded or edited); ``values`` may
+        be reused once this returns."""
+        n = self.shard_sizes[unit]
+        if values.numel() != n:
+            raise ValueError(f"unit {unit}'s master shard has {n} elements, got {values.numel()}")
+        self._settle("master", unit)
+        buf = self._stage()[:n]
+        buf.copy_(values.reshape(-1))
+        self._write("master", unit, buf)
+
+    def read_master(self, unit: int) -> torch.Tensor:
+        """A copy of ``unit``'s fp32 master shard."""
+        out = aligned_empty(self.shard_sizes[unit], torch.float32)
+        self._read("master", unit, out)
+        return out
+
+    # -- gradients -------------------------------------------------------------------------------
+    def add_grad(self, unit: int, grad: torch.Tensor) -> None:
+        """Add one micro-step's reduced gradient shard of ``unit`` (any float dtype) to what this
+        batch accumulated; ``grad`` may be reused once this returns."""
+        n = self.shard_sizes[unit]
+        buf = self._stage()[:n]
+        if unit in self._sq:  # an earlier micro-step of this batch wrote the unit
+            self._read("grad", unit, buf)
+            buf.add_(grad.reshape(-1))
+        else:
+            self._settle("grad", unit)
+            buf.copy_(grad.reshape(-1))
+        self._sq[unit] = float(torch.linalg.vector_norm(buf)) ** 2
+        self._write("grad", unit, buf)
+
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of this rank's accumulated gradients (``inf``/``nan`` on overflow)."""
+        return sum(self._sq.values())
+
+    def zero_grad(self) -> None:
+        """The next :meth:`add_grad` of every unit starts a new batch."""
+        self._sq.clear()
+
+    def flush(self) -> None:
+        """Wait for every write in flight (raises the first I/O error)."""
+        handles, self._unit_write = list(self._unit_write.values()), {}
+        self._staging_write = [None, None]
+        errors = []
+        for h in handles:
+            try:
+                h.wait()
+            except Exception as exc:  # finish every request before reporting
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    # -- step ------------------------------------------------------------------------------------
+    def _plan(self, optimizer: Any, owned: Sequence[tuple[torch.Tensor, int, int, int, Any]]) -> SubGroupPlan:
+        if self.plan is None:
+            members: list[list[tuple[torch.Tensor, int]]] = [[] for _ in self.sizes]
+            for opt_param, unit, a, _b, _piece in owned:
+                index, offset = self.unit_at[unit]
+                members[index].append((opt_param, offset + a))
+            self._state_names = tuple(optimizer._state_names)
+            self.plan = SubGroupPlan.from_layout(members, self.sizes, self._state_names)
+        return self.plan
+
+    def step(self, optimizer: Any, owned: Sequence[tuple[torch.Tensor, int, int, int, Any]], grad_factor: float,
+             publish: Callable[[int, torch.Tensor], None]) -> None:
+        """Step ``optimizer`` (a fused CPU optimizer over the partitioner's ``owned`` pieces)
+        sub-group by sub-group and ``publish(unit, master)`` every updated unit."""
+        self.flush()
+        plan = self._plan(optimizer, owned)
+        state = self.allocator._swapped_state(optimizer, plan)
+        names = plan.state_names
+
+        def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
+            master, grad = tensors["master"], tensors["grad"]
+            for unit in self.units_of[i]:
+                if unit not in self._sq:  # no gradient this batch: its file holds an old one
+                    _, offset = self.unit_at[unit]
+                    grad[offset : offset + self.shard_sizes[unit]].zero_()
+            members = plan.members[i]
+            for p, offset in members:
+                p.data = master[offset : offset + p.numel()].view(p.shape)
+                p.grad = grad[offset : offset + p.numel()].view(p.shape)
+            try:
+                state.bind(i, tensors, optimizer)
+                if members:
+                    optimizer.fused_step(grad_factor, params=[p for p, _ in members])
+                for unit in self.units_of[i]:
+                    _, offset = self.unit_at[unit]
+                    publish(unit, master[offset : offset + self.shard_sizes[unit]])
+            finally:
+                state.unbind(i)
+                for p, _ in members:
+                    p.data, p.grad = placeholder(p.shape), None
+
+        subgroups = [{"master": n, "grad": n, **{name: n for name in names}} for n in self.sizes]
+        fresh = set(range(len(plan))) - state.on_disk
+        with state.raw():
+            self.allocator.step_in_subgroups(subgroups, step, fresh=fresh, fresh_names=names, read_only=("grad",))
+        state.on_disk.update(range(len(plan)))
+        trim()  # what forward and backward freed (gathered parameters, activations)
