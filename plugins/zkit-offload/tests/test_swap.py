@@ -109,6 +109,25 @@ def test_run_directory_removed_on_close_and_at_exit(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_run_directory_of_a_killed_process_removed_by_the_next_run(tmp_path):
+    code = ("import os, sys, torch; from zkit_offload import NVMeSwapper; "
+            f"s = NVMeSwapper({str(tmp_path)!r}); s.write('a', torch.ones(10)); print(s.dir, flush=True); "
+            "os.kill(os.getpid(), 9)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == -9, out.stderr
+    left = out.stdout.strip()
+    assert os.path.exists(left)  # SIGKILL: no exit handler ran
+    other_host = tmp_path / "zkit-swap-1-elsewhere"
+    other_host.mkdir()
+    (other_host / "owner").write_text("some-other-host 1\n")
+    with NVMeSwapper(tmp_path) as live:
+        assert live.removed_stale == [left]
+        assert not os.path.exists(left)
+        assert other_host.exists()  # another host's (shared filesystem): never touched
+        with NVMeSwapper(tmp_path) as second:
+            assert second.removed_stale == [] and live.dir.exists()  # a live process's: kept
+
+
 @pytest.mark.parametrize("buffer_count", [2, 3])
 def test_pipeline_reads_steps_and_writes_every_subgroup(tmp_path, buffer_count):
     sizes = [{"a": 1000 + 17 * i, "b": 500} for i in range(5)]

@@ -19,7 +19,9 @@ requests (see ``contrib/bench/bench_nvme_swap.py``) and cannot fail to build.
 **Failures.** Any I/O error (ENOSPC, EIO, a short read of a truncated file) raises
 :class:`SwapError` naming the file. A key whose write failed is marked broken: reading it raises
 instead of returning half-written data. The run directory is removed by :meth:`NVMeSwapper.close`
-and, as a fallback, at interpreter exit.
+and, as a fallback, at interpreter exit. A process killed by a signal runs neither: each run
+directory therefore carries an ``owner`` file (host name and pid), and a new swapper removes the
+directories under the same ``nvme_path`` whose owner ran on this host and no longer exists.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import errno
 import mmap
 import os
 import shutil
+import socket
 import threading
 import uuid
 import weakref
@@ -53,6 +56,37 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32, align: int = A
     raw = torch.empty(numel * itemsize + align, dtype=torch.uint8)
     skip = (-raw.data_ptr()) % align
     return raw[skip: skip + numel * itemsize].view(dtype)
+
+
+#: the file in a run directory naming the process that owns it: ``"<host> <pid>"``
+OWNER = "owner"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+def remove_stale_runs(nvme_path: str | os.PathLike) -> list[str]:
+    """Delete the run directories under ``nvme_path`` left by processes of this host that no
+    longer exist (killed by a signal: no ``close()``, no exit handler); the paths removed.
+    Directories of other hosts (a shared filesystem) and of live processes are left alone."""
+    host, removed = socket.gethostname(), []
+    for run in Path(nvme_path).glob("zkit-swap-*"):
+        try:
+            owner_host, pid = (run / OWNER).read_text().split()
+            stale = owner_host == host and not _alive(int(pid))
+        except (OSError, ValueError):
+            continue  # not ours, or being created right now
+        if stale:
+            shutil.rmtree(run, ignore_errors=True)
+            removed.append(str(run))
+    return removed
 
 
 def _round_up(n: int, align: int) -> int:
@@ -113,9 +147,12 @@ class NVMeSwapper:
         if not base.is_dir():
             raise SwapError(f"nvme_path {str(base)!r} is not an existing directory")
         self.block_size = _round_up(block_size, ALIGN)
+        #: run directories of dead processes removed when this swapper was created
+        self.removed_stale = remove_stale_runs(base)
         self.dir = base / f"zkit-swap-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             self.dir.mkdir()
+            (self.dir / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         except OSError as exc:
             raise SwapError(f"cannot create the swap directory {str(self.dir)!r}: {exc}") from exc
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
