@@ -12,6 +12,7 @@ unit: the fp32 master copy and the optimizer state of those elements. Stage 0 ow
 from __future__ import annotations
 
 import contextlib
+import weakref
 from typing import Any
 
 import torch
@@ -188,9 +189,10 @@ class ZeroPartitioner(Partitioner):
     def grad_norm(self) -> torch.Tensor:
         sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         if self.master_store is not None:
-            sq += self.master_store.grad_norm_sq()
-        for g in self._grad_shards() if self.master_store is None else ():
-            sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(sq.device) ** 2
+            sq += self.master_store.grad_norm_sq()  # noted as the gradients were stored
+        else:
+            for g in self._grad_shards():
+                sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(sq.device) ** 2
         if self.shards_states and self.world > 1:
             self.comm.all_reduce(sq, "sum")
         return sq.sqrt()
@@ -203,7 +205,6 @@ class ZeroPartitioner(Partitioner):
 
     def step(self, grad_factor: float) -> None:
         self.wait_for_parameters()  # the in-place all-gathers read the shard the step writes
-        self._master_copies = {}
         if self.master_store is not None:
             # master, gradients and state stream through host buffers sub-group by sub-group
             self.master_store.step(self.optimizer, self.owned, grad_factor, self._publish_unit)
@@ -272,28 +273,45 @@ class ZeroPartitioner(Partitioner):
         return self.refresh.forward() if self.refresh is not None else contextlib.nullcontext()
 
     def after_load(self) -> None:
-        for unit, master in getattr(self, "_master_copies", {}).items():
-            self.master_store.write_master(unit, master)  # what the checkpoint loaded into them
-        self._master_copies = {}
+        if self.master_store is not None:
+            self._store_loaded_masters()
         self.publish_params()
         self.wait_for_parameters()
+
+    def _store_loaded_masters(self) -> None:
+        """Write the masters a checkpoint loaded into :meth:`pieces`' copies back to the store."""
+        loaded: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for ref, unit, a, b in self._piece_masters:
+            view = ref()
+            if view is not None:
+                loaded.setdefault(unit, []).append((a, b, view))
+        for unit, parts in loaded.items():
+            master = self.master_store.read_master(unit)
+            for a, b, view in parts:
+                master[a:b].copy_(view.reshape(-1))
+            self.master_store.write_master(unit, master)
+        self._piece_masters = []
 
     # -- state -----------------------------------------------------------------------------------
     def pieces(self) -> list[Piece]:
         """This rank's pieces. A master held in the allocator's store is read into copies here:
-        saving reads them, loading writes into them and :meth:`after_load` stores them back."""
+        saving reads them, loading writes into them and :meth:`after_load` stores them back (the
+        copies live as long as the caller keeps the pieces: weak references only)."""
+        masters = [opt_param.data for opt_param, *_ in self.owned]
         if self.master_store is not None:
-            self._master_copies = {u.index: self.master_store.read_master(u.index) for u in self.units}
+            copies = {u.index: self.master_store.read_master(u.index) for u in self.units}
+            masters = [copies[u][a:b].view(p.shape) for p, u, a, b, _ in self.owned]
+            self._piece_masters = [(weakref.ref(m), u, a, b) for m, (_, u, a, b, _) in zip(masters, self.owned)]
         return [
             Piece(
                 name=piece.slot.name,
                 shape=piece.slot.shape,
                 start=piece.param_start,
                 end=piece.param_end,
-                master=opt_param.data if self.master_store is None else self._master_copies[u][a:b].view(opt_param.shape),
+                master=master,
                 opt_param=opt_param,
             )
-            for opt_param, u, a, b, piece in self.owned
+            for master, (opt_param, _, _, _, piece) in zip(masters, self.owned)
         ]
 
     def writes_checkpoint(self) -> bool:
