@@ -77,14 +77,15 @@ class Stage2(ZeroPartitioner):
         if self.accumulated or self.master_store is not None:
             # Later micro-steps reduce in place into the bucket's own chunk (gloo and NCCL allow
             # an output that is this rank's chunk of the input), then add it to the shard: no
-            # landing area beyond the bucket.
+            # landing area beyond the bucket. A master store takes every micro-step's chunk.
             lo, hi = u.shard_range(self.rank)
             target = flat[lo:hi]
         else:
             target = self.grad_shards[unit]
         self._launched[unit] = (bucket, target)
         if self.comm.world_size == 1:
-            target.copy_(flat)
+            if target.data_ptr() != flat.data_ptr():  # else the chunk is the whole bucket already
+                target.copy_(flat)
             return None
         return self.comm.reduce_scatter(target, flat, "avg", async_op=True)
 
