@@ -167,3 +167,24 @@ def test_nvme_allocator_steps_like_in_memory_adam(tmp_path):
     assert alloc.place("optim_state").type == "cpu" and alloc.place("param").type == "cpu"
     alloc.close()
     assert not alloc.swapper.dir.exists()
+
+
+def test_full_disk_stops_the_first_step_before_it_changes_anything(tmp_path, monkeypatch):
+    cfg = OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path), buffer_count=2)
+    alloc = NVMeAllocator(torch.device("cpu"), optimizer=cfg, aio=AioConfig(queue_depth=2))
+    alloc.sub_group_size = 2000
+    shards = [torch.nn.Parameter(torch.ones(n)) for n in (1500, 1500, 1500)]
+    for p in shards:
+        p.grad = torch.ones(p.shape)
+    real = os.posix_fallocate
+
+    def fallocate(fd, offset, length):  # the disk fills up while the last sub-group's files are made
+        if "sg2." in os.readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with pytest.raises(SwapError, match=r"cannot allocate \d+ bytes for swap file '.*sg2\.exp_avg.*' \(the disk is full\)"):
+        alloc.step_optimizer(CPUAdam(shards, lr=0.1))
+    assert all(torch.equal(p, torch.ones(p.shape)) for p in shards)  # no sub-group stepped
+    alloc.close()

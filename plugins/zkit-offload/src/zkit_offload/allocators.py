@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 from zkit_offload.host_memory import serve_large_blocks_from_mmap
 from zkit_offload.param_store import NVMeParamStore
-from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups
+from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups, subgroup_key
 from zkit_offload.swap import NVMeSwapper, aligned_empty
 from zkit_offload.swapped_master import SwappedMasterStore
 from zkit_offload.swapped_state import SubGroupPlan, SwappedState
@@ -218,6 +218,13 @@ class NVMeAllocator(HostAllocator):
             self.track("optim_state", sum(t.numel() * t.element_size() for s in self._buffers.sets for t in s.values()))
         if fresh is None:
             fresh = set(range(len(subgroups))) - self._stepped
+        # Every file exists, at full size, before the first sub-group steps: a full disk stops the
+        # first step before it changes anything, instead of half-way through it.
+        known = set(self.swapper.keys())
+        for i, sg in enumerate(subgroups):
+            for name, n in sg.items():
+                if subgroup_key(i, name) not in known:
+                    self.swapper.register(subgroup_key(i, name), n * self._buffers.sets[0][name].element_size())
         step_in_subgroups(self.swapper, subgroups, step, self._buffers, fresh=fresh, fresh_names=fresh_names,
                           read_only=read_only)
         self._stepped.update(range(len(subgroups)))
