@@ -154,7 +154,10 @@ def test_offload_moves_master_and_state_to_host():
     assert cpu.host == {"master": 4 * 250, "master_grad": 4 * 250, "optim_state": 8 * 250}
     assert not e.row(world_size=4, stage=2, offload="cpu+params").states.supported
     nvme = e.row(world_size=4, stage=3, offload="nvme").states
-    assert nvme.nvme == {"optim_state": 8 * 250}
+    # stages 2-3: master, gradients and state on disk, the 250-element shard padded to 4 KiB
+    assert nvme.nvme == {"master": 4 * 1024, "master_grad": 4 * 1024, "optim_state": 8 * 1024}
+    assert "grad" not in nvme.device and nvme.host["master_grad"] == 2 * 4 * 1024
+    assert e.row(world_size=4, stage=1, offload="nvme").states.nvme == {"optim_state": 8 * 250}
     params3 = e.row(world_size=4, stage=3, offload="cpu+params").states
     # 1000 elements are under the default persistence threshold (1e5): the unit also stays gathered
     assert params3.host["param"] == 2 * (250 + 1000) and "param" not in params3.device

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkit.zero.flat import owned_pieces, plan_units
+from zkit.zero.flat import owned_pieces, pack_aligned, plan_units
 
 shapes = st.lists(st.lists(st.integers(0, 7), min_size=0, max_size=3), min_size=1, max_size=12)
 
@@ -74,3 +74,25 @@ def test_bad_arguments_are_named():
     unit = plan_units([("a", (2,))], 4, 2)[0]
     with pytest.raises(ValueError, match="rank 2 out of range for world size 2"):
         unit.shard_range(2)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(0, 5000), max_size=12), align=st.integers(1, 1024), limit=st.integers(1, 8000))
+def test_pack_aligned_places_items_in_order_aligned_and_within_their_group(sizes, align, limit):
+    where, groups = pack_aligned(sizes, align, limit)
+    assert len(where) == len(sizes)
+    ends = {}
+    for n, (g, off) in zip(sizes, where):
+        assert off % align == 0 and off >= ends.get(g, 0)  # aligned, after the previous item
+        ends[g] = off + -(-n // align) * align
+        assert ends[g] <= groups[g]
+    assert [g for g, _ in where] == sorted(g for g, _ in where)  # in order
+    assert all(ends.get(g) == size for g, size in enumerate(groups))  # no slack at a group's end
+    for g in range(1, len(groups)):  # a new group only where the next item would overflow
+        first = next(n for n, (h, _) in zip(sizes, where) if h == g)
+        assert groups[g - 1] + -(-first // align) * align > limit
+
+
+def test_pack_aligned_rejects_non_positive_arguments():
+    with pytest.raises(ValueError, match="pack_aligned: align and limit must be positive, got 0 and 5"):
+        pack_aligned([1], 0, 5)

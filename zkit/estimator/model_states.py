@@ -16,8 +16,12 @@ by purpose, so it equals ``engine.memory()``:
   (padding has no optimizer parameter).
 
 Offload (zkit-offload's ``host`` / ``nvme`` allocators) moves ``master`` and ``optim_state`` to
-the host (``nvme``: the state to disk, ``buffer_count`` sub-group buffer sets on the host) and adds
-the fp32 gradient copy the host optimizer reads. Parameter offload exists at stage 3 only.
+the host and adds the fp32 gradient copy the host optimizer reads. ``nvme`` at stage 1 puts the
+state on disk with ``buffer_count`` sub-group buffer sets on the host; at stages 2-3 the fp32
+master and its gradients go to disk too (laid out in sub-groups by :func:`zkit.zero.flat.pack_aligned`,
+units on 4 KiB boundaries), no gradient shard stays in memory, and the host holds two gradient
+staging buffers of the largest unit (``master_grad``) and the sub-group buffer sets (master,
+gradient and state: ``optim_state``). Parameter offload exists at stage 3 only.
 
 Stage 3 follows :class:`zkit.zero.stage3.Stage3`: one unit per module's own parameters
 (:func:`stage3_units`; a parameter's module is its name up to the last dot), padded to the world
@@ -35,7 +39,10 @@ from typing import Iterable, Sequence
 
 import attrs
 
-from zkit.zero.flat import Unit, plan_units
+from zkit.zero.flat import Unit, pack_aligned, plan_units
+
+#: fp32 elements per 4 KiB: where zkit-offload's master store starts each unit
+_ALIGN_ELEMS = 1024
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "cpu+params", "nvme")
@@ -166,16 +173,28 @@ def model_state_bytes(
         # reduce-scatter buckets, each the largest unit
         buckets = min(len(units), 2 if overlap_comm else 1)
         device["bucket"] = buckets * max(u.padded for u in units) * c
+    if offload == "nvme" and stage >= 2:
+        # zkit-offload's master store: master, gradients and state in sub-group swap files
+        del device["grad"]
+        _, groups = pack_aligned([u.shard for u in units], _ALIGN_ELEMS, max(int(sub_group_size), 1))
+        on_host = host if accelerator else device
+        nvme.update(master=sum(groups) * 4, master_grad=sum(groups) * 4, optim_state=sum(groups) * optimizer_state_bytes)
+        on_host["master_grad"] = 2 * -(-max(u.shard for u in units) // _ALIGN_ELEMS) * _ALIGN_ELEMS * 4
+        on_host["optim_state"] = max(2, buffer_count) * max(groups) * (8 + optimizer_state_bytes)
+        return StateBytes(drop_zero(device), drop_zero(host), drop_zero(nvme))
     if not master_is_param:
         states_side["master"] = shard * 4
     if offloaded and accelerator:
         host["master_grad"] = shard * 4  # the fp32 gradient the host optimizer steps with
     state = owned * optimizer_state_bytes
-    if offload == "nvme":
+    if offload == "nvme":  # stage 1: only the state on disk
         nvme["optim_state"] = state
         per_set = min(sub_group_size, owned) * optimizer_state_bytes
         (host if accelerator else device)["optim_state"] = max(2, buffer_count) * per_set
     else:
         states_side["optim_state"] = state
-    drop_zero = lambda d: {k: v for k, v in d.items() if v}  # noqa: E731
     return StateBytes(drop_zero(device), drop_zero(host), drop_zero(nvme))
+
+
+def drop_zero(d: dict[str, int]) -> dict[str, int]:
+    return {k: v for k, v in d.items() if v}

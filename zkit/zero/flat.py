@@ -107,3 +107,22 @@ def plan_units(
 
 def owned_pieces(units: Sequence[Unit], rank: int) -> list[tuple[Unit, Piece]]:
     return [(u, p) for u in units for p in u.pieces(rank)]
+
+
+def pack_aligned(sizes: Sequence[int], align: int, limit: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """Pack items of ``sizes`` elements, in order, into groups of about ``limit`` elements, each
+    item starting on a multiple of ``align`` (a new group starts where the next item would take a
+    non-empty group past ``limit``; an item larger than ``limit`` is a group of its own). Returns
+    ``(group, offset)`` per item and the padded size of each group. An allocator that swaps the
+    fp32 master in sub-groups (zkit-offload) lays out units this way, and the estimator with it."""
+    if align < 1 or limit < 1:
+        raise ValueError(f"pack_aligned: align and limit must be positive, got {align} and {limit}")
+    where: list[tuple[int, int]] = []
+    groups: list[int] = []
+    for n in sizes:
+        padded = -(-int(n) // align) * align
+        if not groups or (groups[-1] > 0 and groups[-1] + padded > limit):
+            groups.append(0)
+        where.append((len(groups) - 1, groups[-1]))
+        groups[-1] += padded
+    return where, groups

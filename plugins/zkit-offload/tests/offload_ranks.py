@@ -244,3 +244,26 @@ def built_into_nvme(nvme_root: str, steps: int = 3) -> dict:
            "stored": sorted(su.module_name for su in engine.partitioner.sharded if su.store is not None)}
     engine.close()
     return out
+
+
+def nvme_memory_vs_estimate(nvme_root: str) -> dict:
+    """``engine.memory()`` of NVMe-offloaded stages 2 and 3 after a step, next to the estimator's
+    figures for the same model and config."""
+    from zkit.estimator import model_state_bytes
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    out = {}
+    for stage in (2, 3):
+        cfg = config(stage, "fp32", world, "nvme", nvme_root)
+        model = make_model()
+        shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        engine, *_ = zkit.initialize(model=model, config=cfg)
+        train(engine, 1, 2)
+        zero = cfg["zero_optimization"]
+        est = model_state_bytes(shapes, stage=stage, world_size=world, dtype="fp32", offload="nvme", rank=rank,
+                                reduce_bucket_size=zero["reduce_bucket_size"], overlap_comm=zero["overlap_comm"],
+                                accelerator=False, stage3_param_persistence_threshold=0,
+                                sub_group_size=zero["sub_group_size"], buffer_count=2)
+        out[stage] = {"memory": engine.memory(), "device": est.device, "nvme": est.nvme}
+        engine.close()
+    return out

@@ -91,3 +91,14 @@ def test_offloaded_checkpoint_resumes_and_reshards(checkpoint_runs, case):
     assert one[case]["steps"] == 2
     assert _max_diff(one[case]["params"], full[0][case]["params"]) < 1e-5
     assert list(nvme.iterdir()) == []
+
+
+def test_estimator_matches_nvme_offload_at_stages_2_and_3(tmp_path):
+    for rank in run_ranks(orr.nvme_memory_vs_estimate, 2, args=(str(tmp_path),), timeout=120):
+        for stage, r in rank.items():
+            mem, device = r["memory"], r["device"]
+            assert sum(r["nvme"].values()) == mem["optim_state_nvme_bytes"], stage
+            assert device["master_grad"] == mem["master_grad_bytes"], stage
+            assert device["optim_state"] == mem["optim_state_peak_bytes"], stage
+            assert "grad" not in device and not mem.get("grad_bytes"), stage
+            assert "master" not in device and not mem.get("master_bytes"), stage

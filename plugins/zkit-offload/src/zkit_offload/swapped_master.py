@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from zkit.zero.flat import pack_aligned
 from zkit_offload.host_memory import trim
 from zkit_offload.pipeline import subgroup_key
 from zkit_offload.swap import ALIGN, SwapHandle, aligned_empty
@@ -66,17 +67,10 @@ class SwappedMasterStore:
         self.swapper = allocator.swapper
         self.shard_sizes = [int(n) for n in shard_sizes]
         #: per unit: (sub-group, offset in elements); per sub-group: size and units
-        self.unit_at: list[tuple[int, int]] = []
-        self.sizes: list[int] = []
-        self.units_of: list[list[int]] = []
-        for unit, n in enumerate(self.shard_sizes):
-            padded = _round_up(n, ALIGN_ELEMS)
-            if not self.sizes or (self.sizes[-1] > 0 and self.sizes[-1] + padded > sub_group_size):
-                self.sizes.append(0)
-                self.units_of.append([])
-            self.unit_at.append((len(self.sizes) - 1, self.sizes[-1]))
-            self.units_of[-1].append(unit)
-            self.sizes[-1] += padded
+        self.unit_at, self.sizes = pack_aligned(self.shard_sizes, ALIGN_ELEMS, sub_group_size)
+        self.units_of: list[list[int]] = [[] for _ in self.sizes]
+        for unit, (index, _) in enumerate(self.unit_at):
+            self.units_of[index].append(unit)
         for i, n in enumerate(self.sizes):
             for name in ("master", "grad"):
                 self.swapper.register(subgroup_key(i, name), n * 4)
