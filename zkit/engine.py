@@ -25,7 +25,7 @@ from zkit.partition import PartitionContext, Partitioner
 from zkit.plugins import ZkitPluginManager, get_plugin_manager
 from zkit.precision import LossScaler, cast_model
 from zkit.records import OptimizerRecord
-from zkit.stack import Stack, merge_plugin_stacks, resolve
+from zkit.stack import Stack, configure
 
 log = logging.getLogger("zkit")
 
@@ -108,12 +108,7 @@ class Engine(torch.nn.Module):
         self.config: ZkitConfig = load_config(config, world_size=world, sections=self.pm.config_sections())
         if self.config.seed is not None:
             torch.manual_seed(self.config.seed)
-        answers = self.pm.call_each_named("zkit_configure", config=self.config)
-        self.stack = merge_plugin_stacks(answers.items()) | stack
-        for plugin in self.stack.plugins:
-            if not self.pm.is_registered(plugin):
-                self.pm.register(plugin)
-        self.records = resolve(self.stack, self.config, self.pm)
+        self.stack, self.records = configure(self.pm, stack, self.config)
 
         self.device = distributed.default_device()
         self.dtype = self.config.dtype

@@ -105,3 +105,16 @@ def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict
         else:
             out[family] = pm.lookup(family, choice)
     return out
+
+
+def configure(
+    pm: "ZkitPluginManager", stack: Stack, config: "ZkitConfig"
+) -> tuple[Stack, dict[str, Record | None]]:
+    """What a config plus a user stack resolve to: the plugins' ``zkit_configure`` stacks merged
+    under the user's (their plugins registered), and the record of every family."""
+    answers = pm.call_each_named("zkit_configure", config=config)
+    merged = merge_plugin_stacks(answers.items()) | stack
+    for plugin in merged.plugins:
+        if not pm.is_registered(plugin):
+            pm.register(plugin)
+    return merged, resolve(merged, config, pm)

@@ -8,10 +8,12 @@ the context an in-place function on a partitioned parameter gathers it, runs on 
 (broadcast, so every world size builds the same model), keeps the result in the shards and
 releases it again. With a ``config`` whose allocator keeps stage-3 shards in a store
 (zkit-offload's ``offload_param.device: nvme``), each module's shard goes there as soon as the
-module is built: host memory never holds the model. ``with zkit.zero.GatheredParameters(params, modifier_rank=0):`` gathers
-partitioned parameters for reading or editing; edits made on ``modifier_rank`` are broadcast and
-written back into every rank's shard (and the engine's fp32 master) on exit. Every rank must enter
-both contexts together, like any collective.
+module is built: host memory never holds the model.
+
+``with zkit.zero.GatheredParameters(params, modifier_rank=0):`` gathers partitioned parameters for
+reading or editing; edits made on ``modifier_rank`` are broadcast and written back into every
+rank's shard (and the engine's fp32 master) on exit. Every rank must enter both contexts together,
+like any collective.
 """
 from __future__ import annotations
 
@@ -76,7 +78,7 @@ class Init:
         """The dtype and the allocator the config chooses (an offload plugin's shard store)."""
         from zkit.config import load_config
         from zkit.plugins import get_plugin_manager
-        from zkit.stack import Stack, merge_plugin_stacks, resolve
+        from zkit.stack import Stack, configure
 
         pm = get_plugin_manager()
         config = load_config(self.config, world_size=self.comm.world_size, sections=pm.config_sections())
@@ -84,13 +86,8 @@ class Init:
             self.dtype = config.dtype
         if int(config.zero_optimization.stage) != 3:
             return
-        answers = pm.call_each_named("zkit_configure", config=config)
-        stack = merge_plugin_stacks(answers.items()) | Stack()
-        for plugin in stack.plugins:
-            if not pm.is_registered(plugin):
-                pm.register(plugin)
-        record = resolve(stack, config, pm)["allocator"]
-        allocator = record.factory(self.device, config)
+        _, records = configure(pm, Stack(), config)
+        allocator = records["allocator"].factory(self.device, config)
         make_store = getattr(allocator, "param_shard_store", None)
         self.store = make_store(self.dtype or torch.float32) if callable(make_store) else None
         if self.store is not None:
