@@ -267,3 +267,31 @@ def nvme_memory_vs_estimate(nvme_root: str) -> dict:
         out[stage] = {"memory": engine.memory(), "device": est.device, "nvme": est.nvme}
         engine.close()
     return out
+
+
+def checkpoint_round_trips(tmp_path_factory, cases: list, prefix: str) -> tuple:
+    """Uninterrupted runs of ``cases`` on 2 ranks, resumed on 2 ranks, resumed (resharded) on 1
+    rank; with the NVMe root, for :func:`check_resumes_and_reshards`."""
+    from zkit.testing import run_ranks
+
+    nvme, ckpt = tmp_path_factory.mktemp(f"{prefix}_nvme"), str(tmp_path_factory.mktemp(prefix))
+    args = (ckpt, cases, str(nvme))
+    full = run_ranks(checkpoint_then_continue, 2, args=args, timeout=180)
+    same = run_ranks(resume, 2, args=args, timeout=180)
+    (one,) = run_ranks(resume, 1, args=args, timeout=180)
+    return full, same, one, nvme
+
+
+def check_resumes_and_reshards(runs: tuple, case) -> None:
+    """A resumed run continues exactly (2 ranks) or within fp32 resharding noise (1 rank), and
+    every swap directory is gone."""
+    import pytest
+
+    full, same, one, nvme = runs
+    for a, b in zip(full, same):
+        assert b[case]["steps"] == 2
+        assert max_diff(a[case]["params"], b[case]["params"]) < 1e-6
+        assert b[case]["losses"] == pytest.approx(a[case]["losses"], rel=1e-6)
+    assert one[case]["steps"] == 2
+    assert max_diff(one[case]["params"], full[0][case]["params"]) < 1e-5
+    assert list(nvme.iterdir()) == []

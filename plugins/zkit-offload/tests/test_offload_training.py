@@ -73,24 +73,12 @@ CHECKPOINT_CASES = [(2, "cpu"), (1, "nvme"), (3, "nvme")]
 @pytest.fixture(scope="module")
 def checkpoint_runs(tmp_path_factory):
     """Uninterrupted runs, resumed on 2 ranks, resumed (resharded) on 1 rank."""
-    nvme, ckpt = tmp_path_factory.mktemp("ckpt_nvme"), str(tmp_path_factory.mktemp("ckpt"))
-    args = (ckpt, CHECKPOINT_CASES, str(nvme))
-    full = run_ranks(orr.checkpoint_then_continue, 2, args=args, timeout=180)
-    same = run_ranks(orr.resume, 2, args=args, timeout=180)
-    (one,) = run_ranks(orr.resume, 1, args=args, timeout=180)
-    return full, same, one, nvme
+    return orr.checkpoint_round_trips(tmp_path_factory, CHECKPOINT_CASES, "ckpt")
 
 
 @pytest.mark.parametrize("case", CHECKPOINT_CASES)
 def test_offloaded_checkpoint_resumes_and_reshards(checkpoint_runs, case):
-    full, same, one, nvme = checkpoint_runs
-    for a, b in zip(full, same):
-        assert b[case]["steps"] == 2
-        assert _max_diff(a[case]["params"], b[case]["params"]) < 1e-6
-        assert b[case]["losses"] == pytest.approx(a[case]["losses"], rel=1e-6)
-    assert one[case]["steps"] == 2
-    assert _max_diff(one[case]["params"], full[0][case]["params"]) < 1e-5
-    assert list(nvme.iterdir()) == []
+    orr.check_resumes_and_reshards(checkpoint_runs, case)
 
 
 def test_estimator_matches_nvme_offload_at_stages_2_and_3(tmp_path):

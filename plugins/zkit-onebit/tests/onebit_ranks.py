@@ -84,23 +84,35 @@ def synthetic_grads(rank: int, step: int, freeze_step: int) -> list[torch.Tensor
     return grads
 
 
-def onebit_adam_synthetic(freeze_step: int, steps: int, weight_decay: float) -> dict:
-    """1-bit Adam (stage-0 momentum exchange) on synthetic gradients; parameters after each step."""
-    comm = TorchCommunicator()
+def synthetic_params() -> list[torch.nn.Parameter]:
     g = torch.Generator().manual_seed(3)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SYNTHETIC_SHAPES]
-    opt = OneBitAdam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay,
-                     freeze_step=freeze_step, comm=comm)
+    return [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SYNTHETIC_SHAPES]
+
+
+def run_synthetic(opt, params: list, comm, steps: int, cold_steps: int) -> dict:
+    """Step ``opt`` on :func:`synthetic_grads` (averaged first while the optimizer asks for it);
+    the flat parameters before and after each step, and whether each step reduced gradients."""
     x0 = torch.cat([p.detach().reshape(-1).clone() for p in params])
-    out = []
+    out, reduced = [], []
     for step in range(steps):
-        for p, grad in zip(params, synthetic_grads(dist.get_rank(), step, freeze_step)):
+        reduced.append(opt.needs_gradient_reduction)
+        for p, grad in zip(params, synthetic_grads(dist.get_rank(), step, cold_steps)):
             p.grad = grad
             if opt.needs_gradient_reduction:
                 comm.all_reduce(p.grad, op="avg")
         opt.step()
         out.append(torch.cat([p.detach().reshape(-1).clone() for p in params]))
-    return {"params": out, "x0": x0}
+    return {"params": out, "x0": x0, "reduced": reduced}
+
+
+def onebit_adam_synthetic(freeze_step: int, steps: int, weight_decay: float) -> dict:
+    """1-bit Adam (stage-0 momentum exchange) on synthetic gradients; parameters after each step."""
+    comm = TorchCommunicator()
+    params = synthetic_params()
+    opt = OneBitAdam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay,
+                     freeze_step=freeze_step, comm=comm)
+    out = run_synthetic(opt, params, comm, steps, freeze_step)
+    return {"params": out["params"], "x0": out["x0"]}
 
 
 ZERO_ONE = dict(var_freeze_step=10, var_update_scaler=2, local_step_scaler=3, local_step_clipper=4)
@@ -114,21 +126,10 @@ def zero_one_adam_synthetic(steps: int, weight_decay: float) -> dict:
     from zkit_onebit.zeroone_adam import ZeroOneAdam
 
     comm = TorchCommunicator()
-    g = torch.Generator().manual_seed(3)
-    params = [torch.nn.Parameter(torch.randn(shape, generator=g)) for shape in SYNTHETIC_SHAPES]
+    params = synthetic_params()
     opt = ZeroOneAdam(params, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay, comm=comm,
                       **ZERO_ONE)
-    x0 = torch.cat([p.detach().reshape(-1).clone() for p in params])
-    out, reduced = [], []
-    for step in range(steps):
-        reduced.append(opt.needs_gradient_reduction)
-        for p, grad in zip(params, synthetic_grads(dist.get_rank(), step, ZERO_ONE_COLD_STEPS)):
-            p.grad = grad
-            if opt.needs_gradient_reduction:
-                comm.all_reduce(p.grad, op="avg")
-        opt.step()
-        out.append(torch.cat([p.detach().reshape(-1).clone() for p in params]))
-    return {"params": out, "x0": x0, "reduced": reduced, "stats": comm.stats()}
+    return {**run_synthetic(opt, params, comm, steps, ZERO_ONE_COLD_STEPS), "stats": comm.stats()}
 
 
 def compressed_all_reduce_steps_bf16(numel: int, steps: int) -> dict:

@@ -154,9 +154,10 @@ class NVMeAllocator(HostAllocator):
             return
         state = self._swapped_state(optimizer)
         plan = state.plan
+        group_of = state.groups_by_param(optimizer)
 
         def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
-            state.bind(i, tensors, optimizer)
+            state.bind(i, tensors, optimizer, group_of)
             stepped = [p for p, _ in plan.members[i] if p.grad is not None]
             if stepped:
                 optimizer.fused_step(grad_factor, params=stepped)

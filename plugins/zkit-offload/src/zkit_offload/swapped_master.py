@@ -32,7 +32,7 @@ import torch
 from zkit.zero.flat import pack_aligned
 from zkit_offload.host_memory import trim
 from zkit_offload.pipeline import subgroup_key
-from zkit_offload.swap import ALIGN, SwapHandle, aligned_empty
+from zkit_offload.swap import ALIGN, SwapHandle, _round_up, aligned_empty
 from zkit_offload.swapped_state import SubGroupPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -40,10 +40,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
 #: fp32 elements per alignment block: every unit starts on one
 ALIGN_ELEMS = ALIGN // 4
-
-
-def _round_up(n: int, align: int) -> int:
-    return (n + align - 1) // align * align
 
 
 def placeholder(shape: torch.Size | Sequence[int]) -> torch.Tensor:
@@ -191,6 +187,7 @@ class SwappedMasterStore:
         plan = self._plan(optimizer, owned)
         state = self.allocator._swapped_state(optimizer, plan)
         names = plan.state_names
+        group_of = state.groups_by_param(optimizer)
 
         def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
             master, grad = tensors["master"], tensors["grad"]
@@ -203,7 +200,7 @@ class SwappedMasterStore:
                 p.data = master[offset : offset + p.numel()].view(p.shape)
                 p.grad = grad[offset : offset + p.numel()].view(p.shape)
             try:
-                state.bind(i, tensors, optimizer)
+                state.bind(i, tensors, optimizer, group_of)
                 if members:
                     optimizer.fused_step(grad_factor, params=[p for p, _ in members])
                 for unit in self.units_of[i]:

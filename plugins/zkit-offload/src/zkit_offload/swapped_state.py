@@ -102,6 +102,11 @@ class SwappedState(defaultdict):
             dict.__setitem__(self, p, dict(st))
 
     # -- during a step: the stepping code sees the host-resident dicts ------------------------------
+    @staticmethod
+    def groups_by_param(optimizer: Any) -> dict[int, dict]:
+        """``{id(param): its param group}``, for :meth:`bind` (once per step)."""
+        return {id(p): g for g in optimizer.param_groups for p in g["params"]}
+
     @contextlib.contextmanager
     def raw(self) -> Iterator[None]:
         """Within this block ``state[p]`` is the host-resident dict itself (no reads)."""
@@ -120,11 +125,11 @@ class SwappedState(defaultdict):
         st = dict.get(self, p)
         return bool(st) and all(torch.is_tensor(st.get(n)) and st[n].dim() > 0 for n in self.plan.state_names)
 
-    def bind(self, index: int, tensors: dict[str, torch.Tensor], optimizer: Any) -> None:
+    def bind(self, index: int, tensors: dict[str, torch.Tensor], optimizer: Any, group_of: dict[int, dict]) -> None:
         """Point the state of sub-group ``index``'s parameters at ``tensors`` (its host buffers,
         read from the swap files), filling them first from state loaded since the last step or
-        from the optimizer's initial state for parameters never stepped. Inside :meth:`raw`."""
-        group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+        from the optimizer's initial state for parameters never stepped (``group_of``: each
+        parameter's group by ``id``). Inside :meth:`raw`."""
         for p, offset in self.plan.members[index]:
             st = self.resident(p)
             views = {name: t[offset : offset + p.numel()].view(p.shape) for name, t in tensors.items()
