@@ -64,3 +64,91 @@ def test_report_names_versions_and_simulator():
     out = _zkit("report", env={**os.environ, "ZKIT_DISABLE_PLUGIN_AUTOLOAD": "1"})
     assert out.returncode == 0, out.stderr
     assert "torch 2." in out.stdout and "numba CUDA simulator:" in out.stdout and "backends: gloo yes" in out.stdout
+
+
+def test_run_without_master_port_uses_a_free_port_and_a_taken_port_names_the_flag(tmp_path):
+    import socket
+
+    script = tmp_path / "ok.py"
+    script.write_text("import zkit.distributed as d, torch.distributed as dist\nd.ensure_initialized()\n"
+                      "print(f'ws {dist.get_world_size()}', flush=True)\n")
+    with socket.socket() as busy:  # another job holding torchrun's default port changes nothing
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        out = _zkit("run", "--nproc", "2", str(script), cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert out.stdout.count("ws 2") == 2  # two ranks' lines may interleave, not split
+        taken = _zkit("run", "--nproc", "2", "--master-port", str(port), str(script), cwd=tmp_path)
+    assert taken.returncode != 0
+    assert f"zkit run: port {port} on 127.0.0.1 is taken" in taken.stderr
+    assert "choose another with --master-port" in taken.stderr
+
+
+def test_a_failing_rank_shows_its_traceback_in_the_summary(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text(textwrap.dedent(
+        """
+        import torch.distributed as dist, zkit
+        from zkit import distributed
+        distributed.ensure_initialized()
+        def load_batch():
+            raise ValueError("batch 7 is corrupt")
+        if dist.get_rank() == 1:
+            load_batch()
+        dist.barrier()
+        """
+    ))
+    out = _zkit("run", "--nproc", "2", str(script), cwd=tmp_path)
+    assert out.returncode != 0
+    summary = out.stderr[out.stderr.find("Root Cause"):]
+    assert "traceback : Traceback (most recent call last)" in summary, out.stderr[-3000:]
+    assert "in load_batch" in summary and "ValueError: batch 7 is corrupt" in summary
+    assert "NoneType: None" not in summary
+
+
+def test_ranks_die_with_a_killed_launcher(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "long.py"
+    script.write_text(textwrap.dedent(
+        f"""
+        import os, time
+        open(os.path.join({str(tmp_path)!r}, "rank_" + os.environ["RANK"]), "w").write(str(os.getpid()))
+        time.sleep(120)
+        """
+    ))
+    launcher = subprocess.Popen([sys.executable, "-m", "zkit.cli", "run", "--nproc", "2", str(script)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"rank_{r}").is_file() for r in (0, 1)):
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.2)
+        time.sleep(0.5)  # the pid files are written
+        pids = [int((tmp_path / f"rank_{r}").read_text()) for r in (0, 1)]
+        launcher.kill()  # SIGKILL: the launcher cannot clean up
+        launcher.wait(timeout=30)
+
+        def alive(pid: int) -> bool:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    return f.read().split()[2] != "Z"
+            except FileNotFoundError:
+                return False
+
+        deadline = time.monotonic() + 15
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(alive(p) for p in pids), "ranks outlived their killed launcher"
+    finally:
+        for name in (f"rank_{r}" for r in (0, 1)):
+            path = tmp_path / name
+            if path.is_file():
+                try:
+                    os.kill(int(path.read_text() or 0), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+        if launcher.poll() is None:
+            launcher.kill()

@@ -329,3 +329,23 @@ def test_direct_construction_validates():
         ZeroConfig(stage=4)
     with pytest.raises(ConfigError, match="config key 'train_batch_size' must be an int, got '8'"):
         ZkitConfig(train_batch_size="8", train_micro_batch_size_per_gpu=8, gradient_accumulation_steps=1)
+
+
+def test_duplicate_keys_in_a_file_are_refused(tmp_path):
+    dup = tmp_path / "dup.json"
+    dup.write_text('{"train_batch_size": 8, "zero_optimization": {"stage": 3, "stage": 0}}')
+    with pytest.raises(
+        ConfigError, match=r"config file '.*dup.json': key 'stage' appears twice in one object \(values 3 and 0\); keep one"
+    ):
+        load_config(dup, world_size=1)
+    top = tmp_path / "top.json"
+    top.write_text('{"train_batch_size": 8, "train_batch_size": 16}')
+    with pytest.raises(ConfigError, match="key 'train_batch_size' appears twice"):
+        load_config(top, world_size=1)
+
+
+def test_a_file_that_is_not_utf8_is_named(tmp_path):
+    latin = tmp_path / "latin1.json"
+    latin.write_bytes('{"train_batch_size": 8, "comment": "caf\u00e9"}'.encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"config file '.*latin1.json' is not UTF-8 text: byte 0xe9 at offset 39"):
+        load_config(latin, world_size=1)

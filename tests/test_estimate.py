@@ -50,10 +50,13 @@ def test_estimate_equals_engine_memory(world):
             )
             got = {k: v for k, v in measured[(stage, dtype, persistence)].items() if not k.endswith("_peak")}
             assert est.host == {} and est.nvme == {}
-            # between steps: the held buffers, exactly
-            held = {k: v for k, v in est.device.items() if k != "gathered_param"}
+            # between steps: the held buffers, exactly; gradients and buckets only during the step
+            held = est.device_between_steps
             for purpose in set(got) | set(held):
                 assert held.get(purpose, 0) == got.get(purpose, 0), (world, rank, stage, dtype, persistence, purpose)
+            for purpose in ("grad", "bucket"):
+                peak = measured[(stage, dtype, persistence)].get(f"{purpose}_peak", 0)
+                assert est.device.get(purpose, 0) == peak, (world, rank, stage, dtype, persistence, purpose)
             if stage == 3:
                 # during forward/backward: parameters gathered on top of the held ones
                 peak = measured[(stage, dtype, persistence)]["param_peak"]

@@ -76,7 +76,8 @@ def test_log_lines_hold_the_memory_breakdown_and_flops(caplog):
     for label in ("params", "grads", "optim", "buffers", "activations"):
         assert f" {label} " in mem_line, label
     mem = engine.memory()
-    assert f"params {format_bytes(mem['param_bytes'])} grads {format_bytes(mem['grad_bytes'])}" in mem_line
+    assert mem["grad_bytes"] == 0  # gradients are handed back after the step: the line shows their peak
+    assert f"params {format_bytes(mem['param_bytes'])} grads {format_bytes(mem['grad_peak_bytes'])}" in mem_line
     assert " buffers 1 KiB " in mem_line
     assert "master" not in mem_line  # fp32 on one device: the parameters are the master
     engine.close()
@@ -149,8 +150,8 @@ def test_format_flops():
 
 def test_memory_line_per_rank_and_compact():
     ranks = [
-        {"param_bytes": 2 << 20, "grad_bytes": 1 << 20, "optim_state_bytes": 0, "activations_peak_bytes": 3 << 20},
-        {"param_bytes": 2 << 20, "grad_bytes": 5 << 20, "buffers_bytes": 512},
+        {"param_bytes": 2 << 20, "grad_peak_bytes": 1 << 20, "optim_state_bytes": 0, "activations_peak_bytes": 3 << 20},
+        {"param_bytes": 2 << 20, "grad_peak_bytes": 5 << 20, "buffers_bytes": 512},
     ]
     assert format_memory_line(ranks) == (
         "mem r0 params 2 MiB grads 1 MiB activations 3 MiB | r1 params 2 MiB grads 5 MiB buffers 512 B"

@@ -38,7 +38,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--nnodes", default="1", help="number of nodes, or MIN:MAX for elastic jobs")
     run.add_argument("--node-rank", type=int, default=0)
     run.add_argument("--master-addr", default="127.0.0.1")
-    run.add_argument("--master-port", type=int, default=29500)
+    run.add_argument("--master-port", type=int, default=None,
+                     help="rendezvous port (default: a free port on a single node, 29500 across nodes)")
     run.add_argument("--rdzv-backend", default=None, help="torchrun rendezvous backend (default: static)")
     run.add_argument("--rdzv-endpoint", default=None)
     run.add_argument("--rdzv-id", default=None)
@@ -117,10 +118,34 @@ def run(args: argparse.Namespace) -> int:
             targs += [f"--rdzv-id={args.rdzv_id}"]
     else:
         targs += [f"--node-rank={args.node_rank}", f"--master-addr={args.master_addr}",
-                  f"--master-port={args.master_port}"]
+                  f"--master-port={_master_port(args)}"]
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
-    torchrun.main([*targs, args.script, *script_args])
+    os.environ["ZKIT_LAUNCHER_PID"] = str(os.getpid())  # ranks die with this process
+    torchrun.main([*targs, "-m", "zkit.rank_entry", args.script, *script_args])
     return 0
+
+
+def _master_port(args: argparse.Namespace) -> int:
+    """The rendezvous port: the one asked for, checked free on the master node; else a free one
+    on a single node (a fixed default collides with any other job on the machine)."""
+    import socket
+
+    if args.master_port is None:
+        if args.nnodes != "1":
+            return 29500  # every node must name the same port: DeepSpeed's and torchrun's default
+        with socket.socket() as s:
+            s.bind((args.master_addr, 0))
+            return s.getsockname()[1]
+    if args.node_rank == 0:
+        with socket.socket() as s:
+            try:
+                s.bind((args.master_addr, args.master_port))
+            except OSError as exc:
+                raise SystemExit(
+                    f"zkit run: port {args.master_port} on {args.master_addr} is taken ({exc.strerror}); "
+                    f"choose another with --master-port, or leave --master-port out to use a free one"
+                ) from None
+    return args.master_port
 
 
 def consolidate(args: argparse.Namespace) -> int:

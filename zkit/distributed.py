@@ -33,7 +33,12 @@ def _record_uncaught_for_torchrun() -> None:
 
     def hook(exc_type, exc, tb):
         try:
-            ErrorHandler().record_exception(exc)
+            # record_exception formats the exception being handled: outside an except block
+            # (as in an excepthook) it would write "NoneType: None" instead of the traceback.
+            try:
+                raise exc.with_traceback(tb)
+            except BaseException as raised:  # noqa: BLE001 - re-raised only to be formatted
+                ErrorHandler().record_exception(raised)
         finally:
             previous(exc_type, exc, tb)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from typing import Any, Iterable, Iterator
 
@@ -107,7 +108,7 @@ class Engine(torch.nn.Module):
         world = torch.distributed.get_world_size(dp_group)
         self.config: ZkitConfig = load_config(config, world_size=world, sections=self.pm.config_sections())
         if self.config.seed is not None:
-            torch.manual_seed(self.config.seed)
+            _seed_everything(self.config.seed)
         self.stack, self.records = configure(self.pm, stack, self.config)
 
         self.device = distributed.default_device()
@@ -145,6 +146,7 @@ class Engine(torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
+        self._nonfinite_in_a_row = 0  # consecutive bf16/fp32 steps skipped for a NaN or infinity
         self._step_applied = False
         self._grad_norm: float | None = None
         self._no_sync = False
@@ -157,6 +159,9 @@ class Engine(torch.nn.Module):
         from zkit.monitor import Monitor, StepProbe, ThroughputMeter
 
         self.monitor = Monitor(self.config, self.rank)
+        from zkit.monitor.wall_clock import WallClock
+
+        self.wall_clock = WallClock(self.config.wall_clock_breakdown, self.device)
         self.throughput = ThroughputMeter()
         #: FLOPs and saved activations of the first training micro-step, for the step log line
         self.step_probe = StepProbe(self.module)
@@ -164,6 +169,18 @@ class Engine(torch.nn.Module):
 
         checkpointing.configure(self)  # the activation_checkpointing section applies to this engine
         self.pm.hook.zkit_engine_setup(engine=self)
+        if self.config.dump_state and self.rank == 0:
+            self._dump_state()
+
+    def _dump_state(self) -> None:
+        """``dump_state``: what this engine was built from, once, on rank 0."""
+        import json
+
+        chosen = {family: (rec.name, rec.dist) if rec is not None else None for family, rec in self.records.items()}
+        log.info("engine state: world size %d, device %s, dtype %s, stage %d", self.world_size, self.device,
+                 self.dtype, self.partitioner.stage)
+        log.info("engine state: plugins %s", chosen)
+        log.info("engine state: config %s", json.dumps(self.config.to_dict(), default=str, sort_keys=True))
 
     # -- construction helpers ----------------------------------------------------------------------
     def _optimizer_choice(self, client: Any) -> tuple[OptimizerRecord, dict[str, Any]]:
@@ -179,7 +196,7 @@ class Engine(torch.nn.Module):
                 "zkit.Stack(optimizer=...), or pass optimizer= to zkit.initialize"
             )
         if isinstance(client, torch.optim.Optimizer):
-            cls, defaults = type(client), dict(client.defaults)
+            cls, defaults = type(client), _constructor_defaults(client)
             factory = lambda groups, **kw: cls(groups, **{**defaults, **kw})  # noqa: E731
             name = cls.__name__
         elif callable(client):
@@ -209,7 +226,7 @@ class Engine(torch.nn.Module):
             batch_size=self.config.train_micro_batch_size_per_gpu,
             sampler=sampler,
             collate_fn=collate_fn,
-            drop_last=True,
+            drop_last=self.config.dataloader_drop_last,
         )
 
     # -- DeepSpeed-compatible accessors -------------------------------------------------------------
@@ -263,8 +280,11 @@ class Engine(torch.nn.Module):
 
     # -- training ---------------------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _to_half((args, kwargs))
         # the probe inside the partitioner's context: its saved-tensor hooks pass on to stage 3's
-        with diagnostics.phase("forward"), self.partitioner.forward_context(), self.step_probe.forward():
+        with self.wall_clock.time("forward"), diagnostics.phase("forward"), self.partitioner.forward_context(), \
+                self.step_probe.forward():
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -291,7 +311,7 @@ class Engine(torch.nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             scaled = scaled / self.gradient_accumulation_steps()
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
-        with diagnostics.phase("backward"):
+        with self.wall_clock.time("backward"), diagnostics.phase("backward"):
             with self.partitioner.backward_context(boundary), self.step_probe.backward():
                 scaled.backward(retain_graph=retain_graph)
             self.partitioner.after_backward(boundary)
@@ -314,7 +334,7 @@ class Engine(torch.nn.Module):
         was applied (False when fp16 overflow skipped it). ``step()`` calls it at an accumulation
         boundary; a ``zkit_train_batch`` implementation that drives its own micro-batches (a
         pipeline schedule) calls it where its schedule steps."""
-        with diagnostics.phase("optimizer.step"):
+        with self.wall_clock.time("step"), diagnostics.phase("optimizer.step"):
             self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
         return self._step_applied
 
@@ -344,7 +364,8 @@ class Engine(torch.nn.Module):
         # its overflow check, clipping needs the norm, or the user asked for it.
         needs_norm = self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
         norm = float(self.partitioner.grad_norm()) if needs_norm else 0.0
-        overflow = needs_norm and not torch.isfinite(torch.tensor(norm)).item()
+        # Without a norm, a non-finite loss on any rank is the cheap sign of non-finite gradients.
+        overflow = not math.isfinite(norm) if needs_norm else self._nonfinite_loss_on_any_rank()
         scale = self.loss_scaler.scale  # the scale this batch's gradients carry (1.0 unless fp16)
         if self.loss_scaler.enabled:
             self.loss_scaler.update(overflow, self.global_steps + 1)
@@ -352,13 +373,9 @@ class Engine(torch.nn.Module):
             self.skipped_steps += 1
             self._grad_norm = None
             self.partitioner.zero_grad()
-            if self.rank == 0:
-                log.warning(
-                    "step %d: gradient overflow, step skipped; loss scale now %g",
-                    self.global_steps + 1,
-                    self.loss_scaler.scale,
-                )
+            self._skip_nonfinite_step()
             return False
+        self._nonfinite_in_a_row = 0
         true_norm = norm / scale
         factor = 1.0 / scale
         clip = self.config.gradient_clipping
@@ -370,6 +387,52 @@ class Engine(torch.nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
         return True
+
+    def _nonfinite_loss_on_any_rank(self) -> bool:
+        """Whether this batch's loss was NaN or infinite on some rank. While gradients are reduced
+        a 4-byte all-reduce beside them makes every rank give the same answer, so all skip
+        together. Without reduction (1-bit optimizers' compressed or local steps, which exist to
+        save collectives) a rank cannot know the others' losses: its own non-finite loss stops
+        the job rather than letting the replicas' steps differ."""
+        local = any(not torch.isfinite(l).all() for l in self._losses)
+        if self.world_size == 1:
+            return local
+        if not self.partitioner.gradient_reduction:
+            if local:
+                raise FloatingPointError(
+                    f"step {self.global_steps + 1}: the loss on rank {self.rank} is NaN or infinite while gradients "
+                    f"are not reduced (a 1-bit optimizer's compressed or local step), so the ranks cannot skip it "
+                    f"together; training stopped"
+                )
+            return False
+        bad = torch.tensor([float(local)], dtype=torch.float32, device=self.device)
+        self.comm.all_reduce(bad, "sum")
+        return bool(bad.item() > 0)
+
+    def _skip_nonfinite_step(self) -> None:
+        """Say why a step was skipped; in bf16/fp32 stop after ``nonfinite_steps_limit`` in a row
+        (fp16's loss scaler handles its own overflows)."""
+        step = self.global_steps + 1
+        if self.loss_scaler.enabled:
+            if self.rank == 0:
+                log.warning("step %d: gradient overflow, step skipped; loss scale now %g", step, self.loss_scaler.scale)
+            return
+        self._nonfinite_in_a_row += 1
+        limit = self.config.nonfinite_steps_limit
+        if self._nonfinite_in_a_row > limit:
+            raise FloatingPointError(
+                f"step {step}: the loss or the gradients were NaN or infinite for {self._nonfinite_in_a_row} "
+                f"steps in a row (nonfinite_steps_limit is {limit}); training stopped. Lower the learning rate, "
+                f"enable gradient_clipping, or look for bad inputs in the batches before step {step}"
+            )
+        if self.rank == 0:
+            log.warning(
+                "step %d: the loss or the gradients are NaN or infinite; step skipped (%d in a row, the job stops "
+                "after %d)",
+                step,
+                self._nonfinite_in_a_row,
+                limit,
+            )
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Run one global batch (``gradient_accumulation_steps`` micro-batches) from ``data_iter``
@@ -401,6 +464,7 @@ class Engine(torch.nn.Module):
     def _after_step(self) -> None:
         now = time.perf_counter()
         elapsed, self._step_started = now - self._step_started, now
+        self.wall_clock.end_step()
         samples = self.train_batch_size()
         self.throughput.update(samples, elapsed, tokens=samples * self.tokens_per_sample if self.tokens_per_sample else None)
         loss = torch.stack(self._losses).mean().item() if self._losses else float("nan")
@@ -421,6 +485,7 @@ class Engine(torch.nn.Module):
         all_mem = self.comm.all_gather_object(mem) if self.world_size > 1 else [mem]
         throughput = self.throughput.metrics()
         metrics = {
+            **self.wall_clock.take(),
             "loss": loss,
             "lr": self.get_lr()[0] if self.optimizer.param_groups else 0.0,
             **throughput,
@@ -446,6 +511,18 @@ class Engine(torch.nn.Module):
         with diagnostics.phase("save_checkpoint"):
             return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
 
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the model's ``state_dict`` in its training dtype to ``save_dir/save_filename``
+        (rank 0), DeepSpeed's call. At ZeRO stage 3 it needs
+        ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and the
+        call returns False with a warning."""
+        from zkit.checkpoint.sixteen_bit import save_16bit_model
+
+        with diagnostics.phase("save_16bit_model"):
+            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
     def load_checkpoint(
         self,
         load_dir: str,
@@ -455,8 +532,15 @@ class Engine(torch.nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict]:
-        from zkit.checkpoint import load_checkpoint
+        from pathlib import Path
 
+        if tag is None and not (Path(load_dir) / "latest").is_file():
+            # DeepSpeed's answer: a warning and (None, None), so "resume if there is anything to
+            # resume" scripts start from scratch on their first run.
+            log.warning(
+                "no 'latest' file in %s: nothing loaded; pass tag= to load a specific checkpoint", load_dir
+            )
+            return None, None
         with diagnostics.phase("load_checkpoint"):
             return self._load(load_dir, tag, load_optimizer_states and not load_module_only,
                               load_lr_scheduler_states and not load_module_only)
@@ -483,6 +567,43 @@ class Engine(torch.nn.Module):
         self.comm.close()
         if self.world_comm is not self.comm:
             self.world_comm.close()
+
+
+def _to_half(value: Any) -> Any:
+    """``fp16.auto_cast``: floating-point tensors inside the inputs cast to float16."""
+    if torch.is_tensor(value):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_half(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_half(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_half(v) for k, v in value.items()}
+    return value
+
+
+def _seed_everything(seed: int) -> None:
+    """The config's ``seed``: Python's, NumPy's and torch's generators, as DeepSpeed's
+    ``set_random_seed`` does."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The client optimizer's hyper-parameters that its class's constructor takes: ``defaults``
+    may hold more (torch's AdamW keeps Adam's ``decoupled_weight_decay`` there but its
+    constructor does not accept it)."""
+    import inspect
+
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
 def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:

@@ -129,7 +129,7 @@ def train_ranks(w_json: dict[str, Any], stage: int, rss_cap: int) -> dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--mode", choices=("speed", "train"), required=True)
+    p.add_argument("--mode", choices=("speed", "train", "rest"), required=True)
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--stages", default="0,1,2,3", help="comma-separated ZeRO stages (speed mode)")
     p.add_argument("--stage", type=int, default=0, help="the one stage to train (train mode)")
@@ -141,9 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     from zkit.testing import run_ranks
 
     w_json = json.loads(args.workload)
+    stages = [int(s) for s in args.stages.split(",") if s]
     if args.mode == "speed":
-        stages = [int(s) for s in args.stages.split(",") if s]
         results = run_ranks(speed_round_ranks, args.world, args=(w_json, stages), timeout=args.timeout)
+    elif args.mode == "rest":
+        from bench_memory_at_rest import rest_ranks
+
+        results = run_ranks(rest_ranks, args.world, args=("deepspeed", w_json, stages), timeout=args.timeout)
     else:
         results = run_ranks(train_ranks, args.world, args=(w_json, args.stage, args.rss_cap), timeout=args.timeout)
     print(RESULT_PREFIX + json.dumps(results), flush=True)

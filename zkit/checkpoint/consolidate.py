@@ -37,6 +37,7 @@ from typing import Any
 import attrs
 import torch
 
+from zkit.checkpoint.digest import Digest, verify_tensor
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import META, load_rank_file, rank_file, read_meta, resolve_tag
 
@@ -152,7 +153,8 @@ def write_consolidated(
             offsets = _safetensors_layout(tmp, entries)
         else:
             offsets = _torch_layout(tmp, entries)
-        _fill(tmp, entries, offsets, sources, where)
+        # Damaged bytes are refused before the output replaces anything (the staging goes).
+        _fill(tmp, entries, offsets, sources, where, meta.get("checksums") if meta.get("version", 1) >= 2 else None)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -332,8 +334,10 @@ class _Shards:
     were read from it (its resident pages go with the old mapping) and closed after its last use.
     Callers hold a returned tensor only while writing one chunk, so a re-map does unmap."""
 
-    def __init__(self, where: Path, uses: Counter[str]) -> None:
+    def __init__(self, where: Path, uses: Counter[str], checksums: dict[str, dict[str, str]] | None) -> None:
         self.where = where
+        self.checksums = checksums
+        self.paths: dict[str, dict[tuple[str, int, int], str]] = {}
         self.left = uses
         self.open: dict[str, tuple[dict[tuple[str, int, int], torch.Tensor], dict[str, torch.Tensor]]] = {}
         self.read: dict[str, int] = {}
@@ -347,6 +351,7 @@ class _Shards:
                 raise CheckpointError(f"{path}: checkpoint shard has no 'pieces' list")
             extras = _module_extras(data, self.where) if fname == rank_file(0) else {}
             self.open[fname] = ({(p["name"], p["start"], p["end"]): p["master"] for p in pieces}, extras)
+            self.paths[fname] = {(p["name"], p["start"], p["end"]): f"pieces/{i}/master" for i, p in enumerate(pieces)}
             self.read[fname] = 0
         return self.open[fname]
 
@@ -369,6 +374,18 @@ class _Shards:
         """A buffer or frozen parameter from rank 0's file, flat."""
         return self._load(rank_file(0))[1][name].reshape(-1)
 
+    def digest(self) -> Digest | None:
+        """A digest to feed one tensor's chunks to, or None for a checkpoint without checksums."""
+        return Digest() if self.checksums is not None else None
+
+    def verify(self, fname: str, key: tuple[str, int, int] | str, digest: Digest | None) -> None:
+        """Refuse the piece ``key`` (or the extra named ``key``) of ``fname`` whose bytes were fed
+        to ``digest`` unless they match the checksum saved with them."""
+        if digest is None or self.checksums is None:
+            return
+        path = f"module_extras/{key}" if isinstance(key, str) else self.paths[fname][key]
+        verify_tensor(digest, path, self.checksums.get(fname, {}), self.where / fname)
+
     def consumed(self, fname: str, nbytes: int) -> None:
         self.read[fname] += nbytes
         if self.read[fname] >= REMAP_BYTES:
@@ -386,27 +403,33 @@ def _fill(
     offsets: dict[str, int],
     sources: dict[str, list[tuple[str, int, int]]],
     where: Path,
+    checksums: dict[str, dict[str, str]] | None,
 ) -> None:
     # An alias sharing its canonical tensor's storage (.pt) has its offset: written once.
     writes = list({(offsets[e.name], e.canonical): e for e in entries}.values())
     uses = Counter(f for e in writes if e.is_param for f, _, _ in sources[e.canonical])
     uses[rank_file(0)] += sum(not e.is_param for e in writes)
-    shards = _Shards(where, uses)
+    shards = _Shards(where, uses, checksums)
     fd = os.open(path, os.O_WRONLY)
     try:
         for e in writes:
             offset, size = offsets[e.name], e.dtype.itemsize
             ranges = sources[e.canonical] if e.is_param else [(rank_file(0), 0, e.numel)]
             for fname, start, end in ranges:
+                digest = shards.digest()  # fed the saved bytes as they stream past
                 for lo in range(start, end, CHUNK_ELEMENTS):
                     hi = min(lo + CHUNK_ELEMENTS, end)
                     flat = shards.master(fname, e.canonical, start, end) if e.is_param else shards.extra(e.canonical)
-                    chunk = flat[lo - start : hi - start].to(e.dtype).contiguous()
+                    saved = flat[lo - start : hi - start]
+                    if digest is not None:
+                        digest.update(saved)
+                    chunk = saved.to(e.dtype).contiguous()
                     read = (hi - lo) * flat.element_size()
-                    del flat
+                    del flat, saved
                     _pwrite_all(fd, chunk, offset + lo * size)
                     del chunk  # may be a view of the mapping: gone before a re-map
                     shards.consumed(fname, read)
+                shards.verify(fname, (e.canonical, start, end) if e.is_param else e.canonical, digest)
                 shards.done(fname)
         os.fsync(fd)
     finally:

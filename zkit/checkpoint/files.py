@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -15,7 +17,8 @@ from zkit.checkpoint.errors import CheckpointError
 META = "meta.msgpack"
 LATEST = "latest"
 FORMAT = "zkit-checkpoint"
-VERSION = 1
+#: 2: every tensor of every rank file has a checksum in the metadata (``checksums``)
+VERSION = 2
 
 
 def rank_file(rank: int) -> str:
@@ -26,10 +29,13 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary in the same directory and a rename."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise _write_error(path, exc) from exc
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -41,14 +47,33 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     os.close(fd)
     try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:  # a Python file: a failed write raises OSError with its errno
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as exc:
+            raise _write_error(path, exc) from exc
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _write_error(path: Path, exc: BaseException) -> BaseException:
+    """A failed write that names the file and, when the disk is full, says so (torch's own
+    message for it is 'basic_ios::clear: iostream error')."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not full:
+        with contextlib.suppress(OSError):
+            full = shutil.disk_usage(path.parent).free < (1 << 20)
+    if full:
+        return CheckpointError(f"{path}: no space left on device while writing the checkpoint; free space and save again")
+    return CheckpointError(f"{path}: writing the checkpoint failed ({type(exc).__name__}: {exc})")
 
 
 def write_meta(path: Path, meta: dict[str, Any]) -> None:
@@ -70,19 +95,44 @@ def read_meta(directory: Path) -> dict[str, Any]:
     return meta
 
 
-def load_rank_file(path: Path) -> dict[str, Any]:
+def file_digests(meta: dict[str, Any], fname: str, where: Path) -> dict[str, str] | None:
+    """The saved checksums of rank file ``fname`` (None for a version-1 checkpoint, written
+    before checksums existed)."""
+    if meta.get("version", 1) < 2:
+        return None
+    table = meta.get("checksums", {}).get(fname)
+    if table is None:
+        raise CheckpointError(f"{where / META}: no checksums for {fname}")
+    return table
+
+
+def load_rank_file(path: Path, digests: dict[str, str] | None = None) -> dict[str, Any]:
+    """Read one rank file (mapped, ``weights_only``); with ``digests``, refuse it unless every
+    tensor matches its saved checksum."""
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint shard is missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot read checkpoint shard ({type(exc).__name__}: {exc})") from exc
+    if digests is not None:
+        from zkit.checkpoint.digest import verify_payload
+
+        verify_payload(data, digests, path)
+    return data
 
 
 def resolve_tag(load_dir: Path, tag: str | None) -> str:
-    if tag is not None:
-        return tag
-    latest = load_dir / LATEST
-    if not latest.is_file():
-        raise CheckpointError(f"{latest}: no 'latest' file; pass tag= to load a specific checkpoint")
-    return latest.read_text().strip()
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"{latest}: no 'latest' file; pass tag= to load a specific checkpoint")
+        tag = latest.read_text().strip()
+        source = f"{latest} names tag {tag!r}, which"
+    else:
+        source = f"tag {tag!r}"
+    # A tag is a directory name inside load_dir: never a path that leads elsewhere.
+    target = (load_dir / tag).resolve()
+    if not tag or target.parent != load_dir.resolve():
+        raise CheckpointError(f"{source} is not a checkpoint directory inside {load_dir}")
+    return tag

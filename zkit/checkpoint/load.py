@@ -10,7 +10,7 @@ import torch
 
 from zkit.checkpoint import rng
 from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import load_rank_file, rank_file, read_meta, resolve_tag
+from zkit.checkpoint.files import file_digests, load_rank_file, rank_file, read_meta, resolve_tag
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -118,7 +118,7 @@ def load_checkpoint(
             for f in fillers.get(name, ())
         ):
             continue
-        data = load_rank_file(where / fname)
+        data = load_rank_file(where / fname, file_digests(meta, fname, where))
         for saved in data["pieces"]:
             for f in fillers.get(saved["name"], ()):
                 f.fill(saved, where / fname)
@@ -126,10 +126,10 @@ def load_checkpoint(
         for f in group:
             f.finish()
 
-    first = load_rank_file(where / rank_file(0))
+    first = load_rank_file(where / rank_file(0), file_digests(meta, rank_file(0), where))
     mine = first if engine.rank == 0 else None
     if meta["world_size"] == engine.world_size and engine.rank != 0:
-        mine = load_rank_file(where / rank_file(engine.rank))
+        mine = load_rank_file(where / rank_file(engine.rank), file_digests(meta, rank_file(engine.rank), where))
     _load_module_extras(engine.module, first.get("module_extras", {}), where)
     if load_optimizer_states:
         saved_groups = first.get("param_groups", [])

@@ -2,6 +2,7 @@
 every part's ranks their part, see :mod:`zkit.checkpoint.parts`)."""
 from __future__ import annotations
 
+import logging
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -9,12 +10,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zkit.checkpoint import rng
+from zkit.checkpoint.digest import payload_digests
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import FORMAT, LATEST, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
 from zkit.checkpoint.parts import model_part
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.engine import Engine
+
+log = logging.getLogger("zkit")
 
 
 def _piece_state(engine: "Engine", opt_param: torch.Tensor) -> dict[str, Any]:
@@ -59,6 +63,27 @@ def _check_client_state(client_state: dict) -> None:
         ) from exc
 
 
+def _validate_tag(tag: str, world: Any, mode: str) -> str:
+    """``checkpoint.tag_validation``: the ranks of one checkpoint must agree on its tag. FAIL
+    refuses before anything is written; WARN says so and saves under rank 0's tag (ranks writing
+    under different tags would leave two half checkpoints); IGNORE does not compare (one
+    collective less per save)."""
+    if mode == "IGNORE" or world.world_size == 1:
+        return tag
+    tags = world.all_gather_object(tag)
+    if len(set(tags)) == 1:
+        return tag
+    listed = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+    if mode == "FAIL":
+        raise CheckpointError(f"ranks save under different checkpoint tags ({listed}); checkpoint.tag_validation is FAIL")
+    if world.rank == 0:
+        log.warning(
+            "ranks save under different checkpoint tags (%s); saving under rank 0's tag %r (set "
+            "checkpoint.tag_validation to FAIL to stop instead)", listed, tags[0],
+        )
+    return tags[0]
+
+
 def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_state: dict, save_latest: bool) -> str:
     comm, rank = engine.comm, engine.rank
     world = getattr(engine, "world_comm", comm)
@@ -66,12 +91,15 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
     tag = tag or f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
+    tag = _validate_tag(tag, world, engine.config.checkpoint.tag_validation)
     root = Path(save_dir)
     final, staging = root / tag, root / f".{tag}.partial"
     if world.rank == 0:
         _check_client_state(client_state)
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(staging, ignore_errors=True)
+        # Staging left by a save that died (any tag): never a checkpoint, only disk space lost.
+        for stale in root.glob(".*.partial"):
+            shutil.rmtree(stale, ignore_errors=True)
         staging.mkdir()
     world.barrier()
     # a split model: each part's data-parallel group writes its own directory
@@ -104,11 +132,13 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
         ]
         if engine.lr_scheduler is not None:
             payload["lr_scheduler"] = engine.lr_scheduler.state_dict()
+    digests = payload_digests(payload)
     atomic_torch_save(payload, target / rank_file(rank))
-    index = comm.all_gather_object([[p.name, p.start, p.end] for p in pieces])
+    gathered = comm.all_gather_object(([[p.name, p.start, p.end] for p in pieces], digests))
 
     if rank == 0:
-        meta = _meta(engine, tag, index)
+        meta = _meta(engine, tag, [entries for entries, _ in gathered])
+        meta["checksums"] = {rank_file(r): d for r, (_, d) in enumerate(gathered)}
         if part is not None:
             meta["part"], meta["layout"] = part
         write_meta(target / META, meta)

@@ -55,18 +55,41 @@ def load_config(
 
 def _read_json(path: Path) -> Any:
     try:
-        text = path.read_text(encoding="utf-8")
+        text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file '{path}' does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        ) from None
     except OSError as exc:
         raise ConfigError(f"config file '{path}' cannot be read: {exc}") from exc
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_refuse_duplicates(path))
     except json.JSONDecodeError as exc:
         raise ConfigError(
             f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} "
             f"column {exc.colno}"
         ) from None
+
+
+def _refuse_duplicates(path: Path):
+    """A JSON object hook that refuses a key given twice in one object (plain ``json`` keeps the
+    last one silently: a file saying stage 3 and then stage 0 would run at stage 0), as DeepSpeed
+    does."""
+
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(
+                    f"config file '{path}': key '{key}' appears twice in one object "
+                    f"(values {out[key]!r} and {value!r}); keep one"
+                )
+            out[key] = value
+        return out
+
+    return build
 
 
 def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord]) -> ZkitConfig:

@@ -97,6 +97,12 @@ class ZkitConfig:
     seed: int | None = setting(
         None, check=at_least(0), doc="Seed torch, numpy and random on every rank (zkit)."
     )
+    nonfinite_steps_limit: int = setting(
+        10,
+        check=at_least(0),
+        doc="Consecutive bf16/fp32 steps with a non-finite loss or gradient norm (each skipped with a "
+        "warning) before the job stops with an error; 0 stops at the first (zkit).",
+    )
     comms_timeout_s: float = setting(
         300.0,
         check=above(0),
@@ -110,10 +116,15 @@ class ZkitConfig:
     scheduler: SchedulerConfig | None = setting(None, doc="The LR schedule (null: none).")
     zero_optimization: ZeroConfig = _section(ZeroConfig, "ZeRO partitioning.")
     zero_allow_untested_optimizer: bool = setting(
-        False, doc="Allow a client optimizer zkit has no record for under ZeRO."
+        False,
+        doc="Allow a client optimizer zkit has no record for under ZeRO.",
+        hint="zkit runs any client optimizer under ZeRO: an elementwise one steps on shards, one that "
+        "needs whole-parameter norms is refused at initialize",
     )
     zero_force_ds_cpu_optimizer: bool = setting(
-        True, doc="With optimizer offload, require the CPU optimizer of zkit-offload."
+        True,
+        doc="With optimizer offload, require the CPU optimizer of zkit-offload.",
+        hint="with offload_optimizer, zkit-offload always steps its own CPU optimizer",
     )
     activation_checkpointing: ActivationCheckpointingConfig = _section(
         ActivationCheckpointingConfig, "Activation recomputation."

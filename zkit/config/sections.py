@@ -116,7 +116,11 @@ class ActivationCheckpointingConfig:
 class ParallelWriteConfig:
     """Which ranks write checkpoint files."""
 
-    pipeline_stage: bool = setting(False, doc="Each pipeline stage writes its own files.")
+    pipeline_stage: bool = setting(
+        False,
+        doc="Each pipeline stage writes its own files.",
+        hint="every zkit rank already writes its own file, and each pipeline part its own directory",
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -135,7 +139,10 @@ class CheckpointConfig:
         hint="zkit checkpoints are always world-size independent, so there is nothing to convert",
     )
     use_node_local_storage: bool = setting(
-        False, doc="Every node writes its ranks' files to local storage."
+        False,
+        unimplemented=True,
+        doc="Every node writes its ranks' files to local storage (zkit needs one shared directory: a "
+        "rank reads back whichever files hold the ranges it owns, at any world size).",
     )
     parallel_write: ParallelWriteConfig = setting(
         attrs.Factory(ParallelWriteConfig), default_doc="{}", doc="Which ranks write files."

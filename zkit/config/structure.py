@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import logging
 import typing
 from typing import Any, Mapping
 
@@ -168,8 +169,27 @@ def _coerce(options: tuple[Any, ...], value: Any) -> Any:
     return value
 
 
+#: keys already warned about in this process: a key that cannot matter says so once
+_WARNED: set[str] = set()
+log = logging.getLogger("zkit")
+
+
+def _warn_no_effect(obj: Any, field: attrs.Attribute, path: str) -> None:
+    """A key set to something other than its default that has no effect in zkit's design: one
+    warning per process naming the key and why, so nobody believes it changed anything."""
+    value = getattr(obj, field.name)
+    default = field.default.factory() if isinstance(field.default, attrs.Factory) else field.default
+    full = join(path, field.name)
+    if value == default or full in _WARNED:
+        return
+    _WARNED.add(full)
+    log.warning("config key '%s' = %r has no effect in zkit: %s", full, value, field.metadata["hint"])
+
+
 def _check_implemented(obj: Any, path: str) -> None:
     for f in config_fields(type(obj)):
+        if f.metadata.get("hint"):
+            _warn_no_effect(obj, f, path)
         rule = f.metadata.get("unimplemented")
         if not rule:
             continue

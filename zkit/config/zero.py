@@ -13,7 +13,7 @@ from zkit.config.errors import ConfigError
 from zkit.config.fields import at_least, between, setting
 
 _NO_BUCKETS = (
-    "zkit reduces and gathers into buffers sized from reduce_bucket_size / allgather_bucket_size; "
+    "zkit reduces each unit (reduce_bucket_size) with one collective; "
     "this switch has no effect"
 )
 
@@ -43,7 +43,10 @@ class ZeroConfig:
         hint="zkit always reduces gradients into flat contiguous buckets",
     )
     reduce_scatter: bool = setting(
-        True, doc="Average gradients with reduce-scatter (true) or all-reduce (false)."
+        True,
+        doc="Average gradients with reduce-scatter (true) or all-reduce (false).",
+        hint="zkit's stages 1-3 always reduce-scatter into each rank's shard; an all-reduce gives the "
+        "same averages with twice the traffic",
     )
     reduce_bucket_size: int = setting(
         500_000_000, check=at_least(0), doc="Elements reduced at a time (accepts 5e8)."
@@ -54,10 +57,16 @@ class ZeroConfig:
         hint=_NO_BUCKETS,
     )
     allgather_partitions: bool = setting(
-        True, doc="Gather updated parameters with all-gather (true) or broadcasts (false)."
+        True,
+        doc="Gather updated parameters with all-gather (true) or broadcasts (false).",
+        hint="zkit all-gathers updated shards in place; broadcasts would give the same parameters",
     )
     allgather_bucket_size: int = setting(
-        500_000_000, check=at_least(0), doc="Elements all-gathered at a time (accepts 5e8)."
+        500_000_000,
+        check=at_least(0),
+        doc="Elements all-gathered at a time (accepts 5e8).",
+        hint="zkit all-gathers each unit (sized by reduce_bucket_size) in place into the parameters' own "
+        "flat buffer, so there is no gather buffer for this to size",
     )
     overlap_comm: bool = setting(
         attrs.Factory(lambda self: self.stage == 3, takes_self=True),
@@ -71,7 +80,9 @@ class ZeroConfig:
         "parameters between step() and the next forward calls engine.wait_for_parameters() first.",
     )
     load_from_fp32_weights: bool = setting(
-        True, doc="Initialize fp32 master weights from the checkpoint's fp32 copies."
+        True,
+        unimplemented=True,
+        doc="Initialize fp32 master weights from the checkpoint's fp32 copies (false: from its 16-bit weights).",
     )
     elastic_checkpoint: bool = setting(
         False,
@@ -109,6 +120,8 @@ class ZeroConfig:
         1_000_000_000,
         check=at_least(0),
         doc="Do not release a parameter reused within this many elements.",
+        hint="zkit keeps a unit gathered until its module's forward (or backward) ends and prefetches by "
+        "the recorded module order; stage3_max_live_parameters and stage3_prefetch_bucket_size bound it",
     )
     stage3_gather_16bit_weights_on_model_save: bool = setting(
         False,
@@ -138,7 +151,9 @@ class ZeroConfig:
         hint="zkit partitions each parameter in place from its flat buffer",
     )
     ignore_unused_parameters: bool = setting(
-        True, doc="Tolerate parameters that received no gradient."
+        True,
+        unimplemented=True,
+        doc="Tolerate parameters that received no gradient (they get a zero gradient); false: an error.",
     )
     legacy_stage1: bool = setting(
         False, unimplemented=True, doc="DeepSpeed's old stage-1 implementation."

@@ -26,23 +26,32 @@ gradient and state: ``optim_state``). Parameter offload exists at stage 3 only.
 Stage 3 follows :class:`zkit.zero.stage3.Stage3`: one unit per module's own parameters
 (:func:`stage3_units`; a parameter's module is its name up to the last dot), padded to the world
 size; ``param`` is every unit's shard in the training dtype plus the full buffer of each
-*persistent* unit (``numel <= stage3_param_persistence_threshold``: gathered once, kept);
+*persistent* unit (``numel <= stage3_param_persistence_threshold`` while the persistent total stays
+within ``stage3_model_persistence_threshold``: gathered once, kept);
 ``grad`` the gradient shards; ``bucket``, ``master`` and ``optim_state`` as at stage 2, over
-those units. These are what ``engine.memory()`` reports between steps. ``gathered_param`` is the
-transient working set of forward and backward, not a buffer held between steps: the largest
-released unit plus a prefetch bucket of released units (``stage3_prefetch_bucket_size``), capped
-at all released units.
+those units. ``gathered_param`` is the working set of forward and backward: the largest released
+unit plus a prefetch bucket of released units (``stage3_prefetch_bucket_size``), capped at all
+released units.
+
+Purposes in :data:`TRANSIENT` exist only while a batch runs: gradients and buckets are made by the
+batch's first backward and handed back after the step (no stage holds gradient memory between
+steps, as with DeepSpeed), and stage 3 gathers parameters only in forward and backward. The other
+purposes are what ``engine.memory()`` reports between steps; all of them together are the peak.
 """
 from __future__ import annotations
 
+import sys
 from typing import Iterable, Sequence
 
 import attrs
 
-from zkit.zero.flat import Unit, pack_aligned, plan_units
+from zkit.zero.flat import Unit, pack_aligned, persistent_units, plan_units
 
 #: fp32 elements per 4 KiB: where zkit-offload's master store starts each unit
 _ALIGN_ELEMS = 1024
+
+#: purposes held only while a batch runs (not between steps)
+TRANSIENT = ("grad", "bucket", "gathered_param")
 
 STAGES = (0, 1, 2, 3)
 OFFLOADS = ("none", "cpu", "cpu+params", "nvme")
@@ -62,6 +71,11 @@ class StateBytes:
     @property
     def device_total(self) -> int:
         return sum(self.device.values())
+
+    @property
+    def device_between_steps(self) -> dict[str, int]:
+        """What the training device holds between steps (no :data:`TRANSIENT` purpose)."""
+        return {k: v for k, v in self.device.items() if k not in TRANSIENT}
 
     @property
     def host_total(self) -> int:
@@ -117,6 +131,7 @@ def model_state_bytes(
     largest_layer: int | None = None,
     stage3_prefetch_bucket_size: int = 50_000_000,
     stage3_param_persistence_threshold: int = 100_000,
+    stage3_model_persistence_threshold: int = sys.maxsize,
     sub_group_size: int = 1_000_000_000,
     buffer_count: int = 4,
 ) -> StateBytes:
@@ -160,8 +175,10 @@ def model_state_bytes(
         # stages 0-1: full per-unit buffers (stage 1 reduce-scatters in place); stage 2: shards
         device["grad"] = shard * c if stage == 2 else padded * p
     else:
-        persistent = [u for u in units if u.numel <= int(stage3_param_persistence_threshold)]
-        released = [u.padded for u in units if u.numel > int(stage3_param_persistence_threshold)]
+        keep = persistent_units([u.numel for u in units], int(stage3_param_persistence_threshold),
+                                int(stage3_model_persistence_threshold))
+        persistent = [u for u, k in zip(units, keep) if k]
+        released = [u.padded for u, k in zip(units, keep) if not k]
         params_side = host if offload == "cpu+params" and accelerator else device
         params_side["param"] = (shard + sum(u.padded for u in persistent)) * p
         device["grad"] = shard * c

@@ -91,16 +91,17 @@ def format_step_line(step: int, metrics: Mapping[str, Any]) -> str:
     return " | ".join(parts)
 
 
-#: memory line fields: snapshot key -> label
+#: memory line fields: snapshot key -> label. Gradients and buckets exist only while a batch runs
+#: (handed back after the step), so their figure is the peak, not what is held at the log line.
 MEMORY_FIELDS = (
     ("param_bytes", "params"),
-    ("grad_bytes", "grads"),
+    ("grad_peak_bytes", "grads"),
     ("optim_state_bytes", "optim"),
     ("optim_state_nvme_bytes", "optim_nvme"),
     ("param_nvme_bytes", "params_nvme"),
     ("master_bytes", "master"),
     ("master_grad_bytes", "master_grads"),
-    ("bucket_bytes", "buckets"),
+    ("bucket_peak_bytes", "buckets"),
     ("buffers_bytes", "buffers"),
     ("activation_bytes", "ckpt_inputs"),
     ("activations_peak_bytes", "activations"),

@@ -126,3 +126,16 @@ def pack_aligned(sizes: Sequence[int], align: int, limit: int) -> tuple[list[tup
         where.append((len(groups) - 1, groups[-1]))
         groups[-1] += padded
     return where, groups
+
+
+def persistent_units(numels: Sequence[int], param_threshold: int, model_threshold: int) -> list[bool]:
+    """Which stage-3 units stay gathered between uses (DeepSpeed's persistence rules): a unit of at
+    most ``param_threshold`` elements (``stage3_param_persistence_threshold``), in unit order, as
+    long as the persistent elements so far stay within ``model_threshold``
+    (``stage3_model_persistence_threshold``)."""
+    out, kept = [], 0
+    for numel in numels:
+        keep = numel <= param_threshold and kept + numel <= model_threshold
+        kept += numel if keep else 0
+        out.append(keep)
+    return out

@@ -18,8 +18,21 @@ class FullGradientPartitioner(ZeroPartitioner):
     """Shared gradient path of stages 0 and 1; subclasses say how a unit is reduced."""
 
     def _init_grads(self) -> None:
+        #: per unit, the flat gradient buffer; empty between steps (see :meth:`zero_grad`)
         self.grad_bufs: list[torch.Tensor] = []
         self.grad_views: dict[int, torch.Tensor] = {}
+        self._ensure_grad_bufs()
+        self._reducing = False
+        self._scratch: dict[int, torch.Tensor] = {}
+        self.bucketer = GradientBucketer(
+            [len(ps) for ps in self.unit_params], self._launch, self._finish, names=self.unit_names()
+        )
+
+    def _ensure_grad_bufs(self) -> list[torch.Tensor]:
+        """Make the zeroed gradient buffers and point every parameter's ``.grad`` into them
+        (before a batch's first backward; they are handed back after the step)."""
+        if self.grad_bufs:
+            return self.grad_bufs
         for u, params in zip(self.units, self.unit_params):
             buf = self.allocator.zeros(u.padded, self.dtype, "grad")
             for slot, p in zip(u.slots, params):
@@ -27,13 +40,10 @@ class FullGradientPartitioner(ZeroPartitioner):
                 self.grad_views[id(p)] = view
                 p.grad = view
             self.grad_bufs.append(buf)
-        self._reducing = False
-        self._scratch: dict[int, torch.Tensor] = {}
-        self.bucketer = GradientBucketer(
-            [len(ps) for ps in self.unit_params], self._launch, self._finish, names=self.unit_names()
-        )
+        return self.grad_bufs
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        self._ensure_grad_bufs()  # a backward run outside engine.backward
         view = self.grad_views[id(param)]
         if param.grad is not view:
             # Someone replaced .grad (model.zero_grad(set_to_none=True)): take the new values.
@@ -43,6 +53,7 @@ class FullGradientPartitioner(ZeroPartitioner):
             self.bucketer.ready(self.unit_of[id(param)])
 
     def backward_context(self, boundary: bool):
+        self._ensure_grad_bufs()
         self._reducing = boundary and self.gradient_reduction and self.comm.world_size > 1
         return contextlib.nullcontext()
 
@@ -52,20 +63,29 @@ class FullGradientPartitioner(ZeroPartitioner):
         self._reducing = False
 
     def _comm_buffer(self, unit: int) -> torch.Tensor:
-        """The unit's gradients in the communication dtype (a scratch copy when it differs)."""
+        """The unit's gradients in the communication dtype (a scratch copy when it differs),
+        pre-divided when the config asks for it."""
         buf = self.grad_bufs[unit]
-        if self.comm_dtype == buf.dtype:
-            return buf
-        scratch = self.allocator.empty(buf.numel(), self.comm_dtype, "bucket")
-        scratch.copy_(buf)
-        self._scratch[unit] = scratch
-        return scratch
+        if self.comm_dtype != buf.dtype:
+            scratch = self.allocator.empty(buf.numel(), self.comm_dtype, "bucket")
+            scratch.copy_(buf)
+            self._scratch[unit] = scratch
+            buf = scratch
+        if self.pre_scale != 1.0:
+            buf.mul_(self.pre_scale)
+        return buf
+
+    def _reduced(self, unit: int, buf: torch.Tensor) -> torch.Tensor:
+        """The part of a unit's communication buffer that holds this rank's reduced result."""
+        raise NotImplementedError
 
     def _launch(self, unit: int):
         raise NotImplementedError
 
     def _finish(self, unit: int) -> None:
         scratch = self._scratch.pop(unit, None)
+        if self.post_scale != 1.0:
+            self._reduced(unit, scratch if scratch is not None else self.grad_bufs[unit]).mul_(self.post_scale)
         if scratch is not None:
             self._copy_back(unit, scratch)
             self.allocator.release(scratch, "bucket")
@@ -74,8 +94,11 @@ class FullGradientPartitioner(ZeroPartitioner):
         self.grad_bufs[unit].copy_(scratch)
 
     def zero_grad(self) -> None:
+        # Between steps no gradient memory is held (DeepSpeed and torch's zero_grad(set_to_none=True)
+        # hold none either): the buffers go back to the allocator and the next backward makes them.
         for buf in self.grad_bufs:
-            buf.zero_()
+            self.allocator.release(buf, "grad")
+        self.grad_bufs, self.grad_views = [], {}
         for params in self.unit_params:
             for p in params:
-                p.grad = self.grad_views[id(p)]
+                p.grad = None

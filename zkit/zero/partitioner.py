@@ -24,6 +24,19 @@ from zkit.zero.param_refresh import ParamRefresh
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
+def _gradient_averaging(config: Any, world: int) -> tuple[str, float, float]:
+    """How gradients are averaged over ``world`` ranks: ``(op, pre, post)``, the reduction's op and
+    the factors applied before and after it (DeepSpeed's ``prescale_gradients`` and
+    ``gradient_predivide_factor``: in fp16 a sum of large gradients can overflow where a sum of
+    pre-divided ones does not). By default the collective averages (``"avg"``)."""
+    if config.prescale_gradients:
+        return "sum", 1.0 / world, 1.0
+    factor = config.gradient_predivide_factor
+    if factor != 1.0:
+        return "sum", 1.0 / factor, factor / world
+    return "avg", 1.0, 1.0
+
+
 class ZeroPartitioner(Partitioner):
     """Base of the data-parallel stages. Subclasses implement the gradient path:
     ``_init_grads``, ``_on_grad_ready``, ``backward_context``, ``after_backward``, ``_grad_shards``
@@ -37,10 +50,20 @@ class ZeroPartitioner(Partitioner):
         self.dtype = ctx.dtype
         comm_type = getattr(ctx.config, "communication_data_type", None)
         self.comm_dtype = _COMM_DTYPES[comm_type] if comm_type else ctx.dtype
+        accum = ctx.config.grad_accum_dtype  # data_types.grad_accum_dtype
+        #: dtype gradients accumulate in over micro-steps (stages 2-3: the reduced shards)
+        self.accum_dtype = _COMM_DTYPES[accum] if accum else self.comm_dtype
+        if self.accum_dtype != self.comm_dtype and self.stage < 2:
+            raise ValueError(
+                f"data_types.grad_accum_dtype {accum!r} differs from the {str(self.comm_dtype).replace('torch.', '')} "
+                f"gradients of ZeRO stage {self.stage}, which accumulate in the parameters' own .grad; use "
+                f"stage 2 or 3 (reduced shards accumulate in {accum}) or leave grad_accum_dtype unset"
+            )
         self.rank = self.comm.rank if self.shards_states else 0
         self.world = self.comm.world_size if self.shards_states else 1
         #: plugins (1-bit optimizers) may switch gradient reduction off.
         self.gradient_reduction = True
+        self.reduce_op, self.pre_scale, self.post_scale = _gradient_averaging(ctx.config, self.comm.world_size)
 
         named = list(self.named_trainable())
         if not named:

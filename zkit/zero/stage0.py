@@ -2,6 +2,8 @@
 all-reduced (averaged) as soon as it is ready, overlapping the rest of backward."""
 from __future__ import annotations
 
+import torch
+
 from zkit.zero.full_grads import FullGradientPartitioner
 
 
@@ -10,7 +12,10 @@ class Stage0(FullGradientPartitioner):
     shards_states = False
 
     def _launch(self, unit: int):
-        return self.comm.all_reduce(self._comm_buffer(unit), "avg", async_op=True)
+        return self.comm.all_reduce(self._comm_buffer(unit), self.reduce_op, async_op=True)
+
+    def _reduced(self, unit: int, buf: torch.Tensor) -> torch.Tensor:
+        return buf
 
     def _grad_shards(self):
-        return self.grad_bufs
+        return self._ensure_grad_bufs()

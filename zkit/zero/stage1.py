@@ -19,13 +19,17 @@ class Stage1(FullGradientPartitioner):
 
     def _own_slice(self, unit: int) -> torch.Tensor:
         lo, hi = self.units[unit].shard_range(self.rank)
-        return self.grad_bufs[unit][lo:hi]
+        return self._ensure_grad_bufs()[unit][lo:hi]
 
     def _launch(self, unit: int):
         src = self._comm_buffer(unit)
         lo, hi = self.units[unit].shard_range(self.rank)
         # In place: the output is this rank's own chunk of the input (gloo and NCCL allow it).
-        return self.comm.reduce_scatter(src[lo:hi], src, "avg", async_op=True)
+        return self.comm.reduce_scatter(src[lo:hi], src, self.reduce_op, async_op=True)
+
+    def _reduced(self, unit: int, buf: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.units[unit].shard_range(self.rank)
+        return buf[lo:hi]
 
     def _copy_back(self, unit: int, scratch: torch.Tensor) -> None:
         lo, hi = self.units[unit].shard_range(self.rank)

@@ -4,7 +4,8 @@ No full-size gradient buffer exists. Autograd produces each parameter's gradient
 gradients of a unit are final, they are packed into a bucket (scratch of one unit), the bucket is
 reduce-scattered into this rank's gradient shard, and the parameters' ``.grad`` are freed. This
 happens at every micro-step (accumulation happens in the shard), overlapped with the rest of
-backward when ``overlap_comm`` is on (two buckets in flight). Per-rank model states: 2Ψ + 14Ψ/N;
+backward when ``overlap_comm`` is on (two buckets in flight). Between steps neither the shards nor
+the buckets exist: :meth:`zero_grad` hands them back. Per-rank model states: 2Ψ + 14Ψ/N;
 communication: the same 2Ψ as data parallelism (reduce-scatter + all-gather).
 """
 from __future__ import annotations
@@ -21,12 +22,9 @@ class Stage2(ZeroPartitioner):
     stage = 2
 
     def _init_grads(self) -> None:
-        # With a master store (NVMe) the reduced shards go to the store, not to memory.
-        self.grad_shards = (
-            [self.allocator.zeros(u.shard, self.comm_dtype, "grad") for u in self.units]
-            if self.master_store is None
-            else []
-        )
+        #: per unit, this rank's reduced gradient; empty between steps (made at the first reduction
+        #: of a batch), and always empty with a master store (NVMe), which takes the shards itself.
+        self.grad_shards: list[torch.Tensor] = []
         self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
         in_flight = 2 if self.ctx.config.zero_optimization.overlap_comm else 1
         self._bucket_numel = max(u.padded for u in self.units)
@@ -62,8 +60,14 @@ class Stage2(ZeroPartitioner):
             return self._free.pop()
         return self.allocator.empty(self._bucket_numel, self.comm_dtype, "bucket")
 
+    def _ensure_grad_shards(self) -> list[torch.Tensor]:
+        if not self.grad_shards and self.master_store is None:
+            self.grad_shards = [self.allocator.zeros(u.shard, self.accum_dtype, "grad") for u in self.units]
+        return self.grad_shards
+
     def _launch(self, unit: int):
         u = self.units[unit]
+        self._ensure_grad_shards()
         bucket = self._take_bucket()
         flat = bucket[: u.padded]
         for slot, p in zip(u.slots, self.unit_params[unit]):
@@ -74,10 +78,13 @@ class Stage2(ZeroPartitioner):
                 view.copy_(p.grad.reshape(-1))
                 p.grad = None
         flat[u.numel :].zero_()
-        if self.accumulated or self.master_store is not None:
+        if self.pre_scale != 1.0:
+            flat[: u.numel].mul_(self.pre_scale)
+        if self.accumulated or self.master_store is not None or self.accum_dtype != self.comm_dtype:
             # Later micro-steps reduce in place into the bucket's own chunk (gloo and NCCL allow
             # an output that is this rank's chunk of the input), then add it to the shard: no
-            # landing area beyond the bucket. A master store takes every micro-step's chunk.
+            # landing area beyond the bucket. A master store takes every micro-step's chunk; a
+            # wider accumulation dtype takes it through an add that converts.
             lo, hi = u.shard_range(self.rank)
             target = flat[lo:hi]
         else:
@@ -87,10 +94,12 @@ class Stage2(ZeroPartitioner):
             if target.data_ptr() != flat.data_ptr():  # else the chunk is the whole bucket already
                 target.copy_(flat)
             return None
-        return self.comm.reduce_scatter(target, flat, "avg", async_op=True)
+        return self.comm.reduce_scatter(target, flat, self.reduce_op, async_op=True)
 
     def _finish(self, unit: int) -> None:
         bucket, target = self._launched.pop(unit)
+        if self.post_scale != 1.0:
+            target.mul_(self.post_scale)
         if self.master_store is not None:
             self.master_store.add_grad(unit, target)
         elif target is not self.grad_shards[unit]:
@@ -100,13 +109,19 @@ class Stage2(ZeroPartitioner):
     def _grad_shards(self):
         if self.master_store is not None:
             raise RuntimeError("the gradient shards are in the allocator's master store (NVMe offload), not in memory")
-        return self.grad_shards
+        return self._ensure_grad_shards()
 
     def zero_grad(self) -> None:
+        # Between steps no gradient memory is held: the shards and the scratch buckets go back to
+        # the allocator and are made again by the next batch's first reduction (as DeepSpeed and
+        # torch's zero_grad(set_to_none=True) do). Peak memory during a step is unchanged.
         if self.master_store is not None:
             self.master_store.zero_grad()
         for shard in self.grad_shards:
-            shard.zero_()
+            self.allocator.release(shard, "grad")
+        for bucket in self._free:
+            self.allocator.release(bucket, "bucket")
+        self.grad_shards, self._free = [], []
         for params in self.unit_params:
             for p in params:
                 p.grad = None

@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from zkit import diagnostics
-from zkit.zero.flat import Unit, plan_units
+from zkit.zero.flat import Unit, persistent_units, plan_units
 from zkit.zero.sharded_params import ACTIVE, ShardedUnit, unpack_saved
 from zkit.zero.stage2 import Stage2
 
@@ -58,7 +58,12 @@ class Stage3(Stage2):
     def _build_param_buffers(self) -> None:
         zc = self.ctx.config.zero_optimization
         self.sharded: list[ShardedUnit] = []
-        for u, params, mname in zip(self.units, self.unit_params, self.unit_modules):
+        persistent = persistent_units(
+            [u.numel for u in self.units],
+            int(zc.stage3_param_persistence_threshold),
+            int(zc.stage3_model_persistence_threshold),
+        )
+        for u, params, mname, keep in zip(self.units, self.unit_params, self.unit_modules, persistent):
             existing = getattr(params[0], "_zkit_unit", None)
             if existing is not None and [p for p in existing.params] == params and existing.unit.padded == u.padded:
                 su = existing  # built partitioned by zkit.zero.Init
@@ -72,7 +77,7 @@ class Stage3(Stage2):
                     self.allocator.track("param", su.shard.numel() * su.shard.element_size())
             else:
                 su = ShardedUnit.from_params(u, params, self.comm, self.allocator, self.rank, mname)
-            su.persistent = u.numel <= int(zc.stage3_param_persistence_threshold)
+            su.persistent = keep
             if su.persistent:
                 su.wait()
             else:

@@ -60,9 +60,12 @@ class OffloadOptimizerConfig(_FromDict):
     nvme_path: str | None = attrs.field(default=None, validator=[v.optional(v.instance_of(str)), _nvme_needs_path])
     buffer_count: int = attrs.field(default=4, validator=_nonneg_int)
     pin_memory: bool = attrs.field(default=True, validator=v.instance_of(bool))
-    pipeline_read: bool = attrs.field(default=False, validator=v.instance_of(bool))
-    pipeline_write: bool = attrs.field(default=False, validator=v.instance_of(bool))
-    fast_init: bool = attrs.field(default=False, validator=v.instance_of(bool))
+    pipeline_read: bool = attrs.field(default=False, validator=v.instance_of(bool), metadata={
+        "hint": "zkit-offload always reads the next sub-group ahead while one steps"})
+    pipeline_write: bool = attrs.field(default=False, validator=v.instance_of(bool), metadata={
+        "hint": "zkit-offload always writes a stepped sub-group back while the next one steps"})
+    fast_init: bool = attrs.field(default=False, validator=v.instance_of(bool), metadata={
+        "hint": "zkit-offload writes the initial swap files sub-group by sub-group, with no extra pass"})
     ratio: float = attrs.field(default=1.0, converter=float, validator=[v.ge(0.0), v.le(1.0)])
 
 
@@ -90,8 +93,10 @@ class AioConfig(_FromDict):
     block_size: int = attrs.field(default=1_048_576, validator=[v.instance_of(int), v.gt(0)])
     queue_depth: int = attrs.field(default=8, validator=[v.instance_of(int), v.gt(0)])
     intra_op_parallelism: int = attrs.field(default=1, validator=[v.instance_of(int), v.gt(0)])
-    single_submit: bool = attrs.field(default=False, validator=v.instance_of(bool))
-    overlap_events: bool = attrs.field(default=True, validator=v.instance_of(bool))
+    single_submit: bool = attrs.field(default=False, validator=v.instance_of(bool), metadata={
+        "hint": "zkit-offload's swapper is a thread pool, not libaio: there are no submissions to batch"})
+    overlap_events: bool = attrs.field(default=True, validator=v.instance_of(bool), metadata={
+        "hint": "zkit-offload's swapper is a thread pool, not libaio: its requests always overlap"})
     use_gds: bool = attrs.field(default=False, validator=v.instance_of(bool))
 
     @property

@@ -1,0 +1,98 @@
+"""What verifying checkpoint checksums costs: load time with and without verification.
+
+Saves a checkpoint of a GPT (one rank, fp32, Adam state), then times, several rounds interleaved:
+reading every rank file as loading does (``torch.load(weights_only=True, mmap=True)`` and a copy of
+every tensor out of the mapping) with and without the digest check, and the engine's whole
+``load_checkpoint``, and the digest alone against zlib's CRC-32 over the same bytes. Page cache hot
+(the file was just written): the least favourable case for verification, whose share grows as the
+read gets faster. ::
+
+    .venv/bin/python contrib/bench/bench_checkpoint_verify.py --preset medium
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+
+import torch
+
+import zkit
+from zkit.checkpoint.digest import tensor_digest, tensors_in, verify_payload
+from zkit.checkpoint.files import file_digests, rank_file, read_meta
+from zkit.models import GPT, GPTConfig
+
+
+def timed(fn, rounds: int) -> float:
+    samples = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="medium")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = GPT(GPTConfig.preset(args.preset))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "steps_per_print": 1_000_000}
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    loss = engine(ids, ids)
+    engine.backward(loss)
+    engine.step()
+    with tempfile.TemporaryDirectory() as tmp:
+        engine.save_checkpoint(tmp, tag="t")
+        where = Path(tmp) / "t"
+        path = where / rank_file(0)
+        digests = file_digests(read_meta(where), rank_file(0), where)
+        nbytes = path.stat().st_size
+
+        def read(verify: bool) -> None:
+            data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            if verify:
+                verify_payload(data, digests, path)
+            for _, t in tensors_in(data):
+                t.clone()
+
+        def digest_only() -> None:
+            for _, t in tensors_in(torch.load(path, map_location="cpu", weights_only=True, mmap=True)):
+                tensor_digest(t)
+
+        def crc_only() -> None:
+            for _, t in tensors_in(torch.load(path, map_location="cpu", weights_only=True, mmap=True)):
+                zlib.crc32(t.contiguous().view(torch.uint8).numpy())
+
+        read(True)  # warm the page cache
+        plain, checked = [], []
+        for _ in range(args.rounds):  # interleaved, so drift hits both alike
+            plain.append(timed(lambda: read(False), 1))
+            checked.append(timed(lambda: read(True), 1))
+        t_plain, t_checked = statistics.median(plain), statistics.median(checked)
+        t_load = timed(lambda: engine.load_checkpoint(tmp, tag="t"), args.rounds)
+        t_digest = timed(digest_only, args.rounds)
+        t_crc = timed(crc_only, args.rounds)
+    gb = nbytes / 1e9
+    print(f"checkpoint: {engine.partitioner.units[0].numel / 1e6:.1f}M parameters, rank file {nbytes / 2**20:.0f} MiB")
+    print(f"{'measure':42} {'seconds':>8} {'GB/s':>6}")
+    print(f"{'read rank file, no verification':42} {t_plain:>8.3f} {gb / t_plain:>6.2f}")
+    print(f"{'read rank file, verified':42} {t_checked:>8.3f} {gb / t_checked:>6.2f}")
+    print(f"{'engine.load_checkpoint (verified)':42} {t_load:>8.3f} {gb / t_load:>6.2f}")
+    print(f"{'zkit digest alone':42} {t_digest:>8.3f} {gb / t_digest:>6.2f}")
+    print(f"{'zlib CRC-32 alone (for comparison)':42} {t_crc:>8.3f} {gb / t_crc:>6.2f}")
+    print(f"verification: +{(t_checked - t_plain) / t_plain * 100:.1f}% of a file read, "
+          f"{(t_checked - t_plain) / t_load * 100:.1f}% of engine.load_checkpoint")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,119 @@
+"""Damaged checkpoints are refused, never trained on: every tensor carries a checksum that loading
+and ``zkit consolidate`` verify; a ``latest`` leading outside the directory, a full disk and the
+staging of a save that died are handled with a message naming the file."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+import zkit
+from zkit.checkpoint import CheckpointError
+from zkit.checkpoint.consolidate import consolidate
+from zkit.checkpoint.digest import Digest, payload_digests, tensor_digest
+
+import engine_ranks as er
+
+
+def _engine(stage=2):
+    return zkit.initialize(model=er.make_model(), config=er.config(stage, "fp32", 1, 1))[0]
+
+
+def _saved(tmp_path: Path) -> tuple[Path, torch.Tensor]:
+    engine = _engine()
+    er.train_engine(engine, 1, 1, 1)
+    engine.save_checkpoint(str(tmp_path), tag="t")
+    shard = tmp_path / "t" / "rank_00000.pt"
+    data = torch.load(shard, weights_only=True)
+    return shard, data["pieces"][0]["master"]
+
+
+def _offset_of(shard: Path, tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s bytes are stored inside the rank file."""
+    raw = shard.read_bytes()
+    offset = raw.find(tensor.numpy().tobytes())
+    assert offset > 0
+    return offset
+
+
+@pytest.mark.parametrize("damage", ["block_of_ff", "flipped_bytes"])
+def test_damaged_tensor_bytes_are_refused_at_load_and_consolidate(tmp_path, damage):
+    shard, master = _saved(tmp_path)
+    raw = bytearray(shard.read_bytes())
+    start = _offset_of(shard, master)
+    size = master.numel() * 4
+    if damage == "block_of_ff":
+        raw[start : start + min(4096, size)] = b"\xff" * min(4096, size)
+    else:
+        for i in range(64):  # 64 bytes flipped, spread over the tensor
+            raw[start + (i * 37) % size] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match=r"rank_00000\.pt: tensor 'pieces/0/master' is damaged"):
+        _engine().load_checkpoint(str(tmp_path), tag="t")
+    out = tmp_path / "model.safetensors"
+    with pytest.raises(CheckpointError, match=r"rank_00000\.pt: tensor 'pieces/0/master' is damaged"):
+        consolidate(tmp_path, out, tag="t")
+    assert not out.exists()
+
+
+def test_an_undamaged_checkpoint_loads_and_consolidates(tmp_path):
+    _saved(tmp_path)
+    _engine().load_checkpoint(str(tmp_path), tag="t")
+    consolidate(tmp_path, tmp_path / "model.pt", tag="t")
+
+
+def test_latest_leading_outside_the_directory_is_refused(tmp_path):
+    _saved(tmp_path / "ckpt")
+    shutil.copytree(tmp_path / "ckpt" / "t", tmp_path / "elsewhere")
+    for target in ("../elsewhere", "/etc", "t/../../elsewhere"):
+        (tmp_path / "ckpt" / "latest").write_text(target)
+        with pytest.raises(CheckpointError, match=f"names tag '{target}', which is not a checkpoint directory inside"):
+            _engine().load_checkpoint(str(tmp_path / "ckpt"))
+    with pytest.raises(CheckpointError, match="tag '../elsewhere' is not a checkpoint directory inside"):
+        _engine().load_checkpoint(str(tmp_path / "ckpt"), tag="../elsewhere")
+
+
+def test_stale_staging_of_a_dead_save_is_removed_at_the_next_save(tmp_path):
+    stale = tmp_path / ".global_step7.partial"
+    stale.mkdir()
+    (stale / "rank_00000.pt").write_bytes(b"x" * 1000)
+    _engine().save_checkpoint(str(tmp_path), tag="t")
+    assert not stale.exists()
+    assert (tmp_path / "t" / "meta.msgpack").is_file()
+
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 256 KiB tmpfs: a save fills it (needs root; skipped otherwise)."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_a_full_disk_says_so_naming_the_file(tiny_disk):
+    engine = zkit.initialize(model=torch.nn.Linear(256, 512), config=er.config(0, "fp32", 1, 1))[0]
+    with pytest.raises(CheckpointError, match=r"disk/\.t\.partial/rank_00000\.pt: no space left on device"):
+        engine.save_checkpoint(str(tiny_disk), tag="t")
+
+
+def test_digest_is_the_same_fed_in_parts_and_sees_swaps():
+    t = torch.randn(10_001)
+    whole = tensor_digest(t)
+    raw = t.view(torch.uint8)
+    parts = Digest()
+    for lo in range(0, raw.numel(), 4099):
+        parts.update(raw[lo : lo + 4099])
+    assert parts.hexdigest() == whole
+    swapped = t.clone()
+    words = swapped[:10_000].view(torch.int64)
+    words[[3, 4]] = words[[4, 3]]
+    assert tensor_digest(swapped) != whole
+    assert set(payload_digests({"a": [t, {"b": t}], "n": 3})) == {"a/0", "a/1/b"}

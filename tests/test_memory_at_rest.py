@@ -1,0 +1,42 @@
+"""Between steps a rank holds no gradient memory its stage does not need: live tensor bytes
+(walked from the garbage collector, not the allocator's counters) after a step stay within the
+model-state formula of each stage, at or below DeepSpeed's on the same model
+(``contrib/bench/bench_memory_at_rest.py`` measures both side by side)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.memory_ranks import live_bytes_after_steps
+from zkit.monitor.live_tensors import live_tensor_bytes
+from zkit.testing import run_ranks
+
+# Bytes per parameter at rest on 2 ranks (Adam: two fp32 states): parameters, plus the fp32 master
+# (bf16), plus the optimizer state and master over the stage's shard. No gradients, no buckets.
+AT_REST = {
+    "fp32": {0: 4 + 8, 1: 4 + 8 / 2, 2: 4 + 8 / 2, 3: 4 / 2 + 8 / 2},
+    "bf16": {0: 2 + 12, 1: 2 + 12 / 2, 2: 2 + 12 / 2, 3: 2 / 2 + 12 / 2},
+}
+SLACK = 32 * 1024  # buffers (position ids), RNG and step counters
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_no_gradient_memory_between_steps(dtype):
+    per_rank = run_ranks(live_bytes_after_steps, world_size=2, args=([0, 1, 2, 3], dtype), timeout=300)
+    for rank, out in enumerate(per_rank):
+        for stage, (psi, live) in out.items():
+            bound = AT_REST[dtype][stage] * psi + SLACK
+            assert live <= bound, (
+                f"rank {rank}, stage {stage}, {dtype}: {live} live bytes after a step "
+                f"({live / psi:.2f} per parameter), more than the {AT_REST[dtype][stage]} per parameter at rest"
+            )
+
+
+def test_live_tensor_bytes_counts_each_storage_once():
+    before = live_tensor_bytes()
+    base = torch.zeros(1000)
+    views = [base[:10], base.view(10, 100), base[500:]]
+    param = torch.nn.Parameter(torch.zeros(250))
+    param.grad = torch.ones(250)
+    assert live_tensor_bytes() - before == 4000 + 1000 + 1000
+    del views, base, param

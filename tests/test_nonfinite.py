@@ -1,0 +1,63 @@
+"""A NaN or infinity in bf16/fp32 training skips the step with a warning (as fp16's overflow does)
+and stops the job, naming the step, after ``nonfinite_steps_limit`` such steps in a row."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zkit
+from zkit.testing import run_ranks
+
+from tests.nonfinite_ranks import skip_when_one_rank_sees_nan
+
+
+def _engine(**extra):
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
+           "steps_per_print": 1000, **extra}
+    return zkit.initialize(model=torch.nn.Linear(4, 2), config=cfg)[0]
+
+
+def _step(engine, bad: bool) -> None:
+    x = torch.ones(2, 4, dtype=engine.dtype)
+    if bad:
+        x[0, 0] = float("inf")
+    loss = (engine(x).float() * 0.5).sum() * (float("nan") if bad else 1.0)
+    engine.backward(loss)
+    engine.step()
+
+
+@pytest.mark.parametrize("extra", [{}, {"gradient_clipping": 1.0}, {"bf16": {"enabled": True}}],
+                         ids=["fp32-loss-check", "fp32-norm", "bf16-loss-check"])
+def test_nonfinite_step_is_skipped_with_a_warning(extra, caplog):
+    engine = _engine(**extra)
+    _step(engine, bad=False)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    with caplog.at_level("WARNING", logger="zkit"):
+        _step(engine, bad=True)
+    assert not engine.was_step_applied() and engine.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    assert "step 2: the loss or the gradients are NaN or infinite; step skipped (1 in a row, the job stops after 10)" in caplog.text
+    _step(engine, bad=False)  # a good step resets the count and trains on
+    assert engine.was_step_applied()
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
+
+
+def test_too_many_nonfinite_steps_in_a_row_stop_the_job_naming_the_step():
+    engine = _engine(nonfinite_steps_limit=2)
+    _step(engine, bad=False)
+    _step(engine, bad=True)
+    _step(engine, bad=True)
+    with pytest.raises(FloatingPointError, match=r"step 4: the loss or the gradients were NaN or infinite for 3 steps "
+                                                 r"in a row \(nonfinite_steps_limit is 2\); training stopped"):
+        _step(engine, bad=True)
+
+
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (2, "bf16")])
+def test_every_rank_skips_when_one_rank_sees_a_nan(stage, dtype):
+    results = run_ranks(skip_when_one_rank_sees_nan, world_size=2, args=(stage, dtype), timeout=120)
+    for out in results:
+        applied = [a for a, _ in out["steps"]]
+        unchanged = [u for _, u in out["steps"]]
+        assert applied == [True, False, True] and unchanged[1]
+        assert out["skipped"] == 1 and out["finite"]

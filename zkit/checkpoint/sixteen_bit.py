@@ -1,0 +1,67 @@
+"""``engine.save_16bit_model``: the model's weights in its training dtype as one ``state_dict``
+file, the way DeepSpeed writes ``pytorch_model.bin`` for serving or a Hugging Face upload.
+
+At stage 3 the weights are partitioned: they are gathered module by module (never the whole model
+at once on any rank) when ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true,
+and otherwise nothing is written and the call returns False with a warning, as DeepSpeed does (the
+sharded checkpoint plus ``zkit consolidate`` is the way out that needs no gathering).
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from zkit.checkpoint.files import atomic_torch_save
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit.engine import Engine
+
+log = logging.getLogger("zkit")
+
+
+def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> bool:
+    path = Path(save_dir) / save_filename
+    zero3 = engine.partitioner.stage == 3
+    if zero3 and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        log.warning(
+            "did not save the model %s: at ZeRO stage 3 it needs stage3_gather_16bit_weights_on_model_save: true "
+            "(or save_checkpoint and `zkit consolidate`)",
+            path,
+        )
+        return False
+    engine.wait_for_parameters()
+    world = getattr(engine, "world_comm", engine.comm)
+    state = _gathered_state_dict(engine.module, zero3, keep=world.rank == 0)
+    if exclude_frozen_parameters:
+        frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
+        state = {k: v for k, v in state.items() if k not in frozen}
+    if world.rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(state, path)
+    world.barrier()
+    return True
+
+
+def _gathered_state_dict(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:
+    """``module.state_dict()`` on the host, partitioned parameters gathered one module at a time
+    (every rank takes part in each gather; only ``keep`` ranks keep the copies)."""
+    if not zero3:
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()} if keep else {}
+    from zkit.zero import GatheredParameters
+
+    values: dict[int, torch.Tensor] = {}
+    for sub in module.modules():
+        own = list(sub.parameters(recurse=False))
+        with GatheredParameters(own):
+            if keep:
+                for p in own:
+                    values.setdefault(id(p), p.detach().cpu().clone())
+    if not keep:
+        return {}
+    out = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        out[name] = values[id(value)] if id(value) in values else value.detach().cpu().clone()
+    return out
