@@ -110,6 +110,15 @@ def load_checkpoint(
     fillers: dict[str, list[_Filler]] = {}
     for piece in engine.partitioner.pieces():
         fillers.setdefault(piece.name, []).append(_Filler(piece, engine, load_optimizer_states))
+    # Read (and verify) each file once: rank 0's and this rank's are kept for what follows.
+    kept: dict[str, dict] = {}
+
+    def read(fname: str) -> dict:
+        data = kept.get(fname) or load_rank_file(where / fname, file_digests(meta, fname, where))
+        if fname in (rank_file(0), rank_file(engine.rank)):
+            kept[fname] = data
+        return data
+
     # Read only the files holding ranges this rank needs.
     for fname, entries in meta["index"].items():
         if not any(
@@ -118,7 +127,7 @@ def load_checkpoint(
             for f in fillers.get(name, ())
         ):
             continue
-        data = load_rank_file(where / fname, file_digests(meta, fname, where))
+        data = read(fname)
         for saved in data["pieces"]:
             for f in fillers.get(saved["name"], ()):
                 f.fill(saved, where / fname)
@@ -126,10 +135,10 @@ def load_checkpoint(
         for f in group:
             f.finish()
 
-    first = load_rank_file(where / rank_file(0), file_digests(meta, rank_file(0), where))
+    first = read(rank_file(0))
     mine = first if engine.rank == 0 else None
     if meta["world_size"] == engine.world_size and engine.rank != 0:
-        mine = load_rank_file(where / rank_file(engine.rank), file_digests(meta, rank_file(engine.rank), where))
+        mine = read(rank_file(engine.rank))
     _load_module_extras(engine.module, first.get("module_extras", {}), where)
     if load_optimizer_states:
         saved_groups = first.get("param_groups", [])
