@@ -117,3 +117,18 @@ def test_digest_is_the_same_fed_in_parts_and_sees_swaps():
     words[[3, 4]] = words[[4, 3]]
     assert tensor_digest(swapped) != whole
     assert set(payload_digests({"a": [t, {"b": t}], "n": 3})) == {"a/0", "a/1/b"}
+
+
+def test_digest_is_the_same_on_any_thread_count(monkeypatch):
+    import zkit.checkpoint.digest as digest
+
+    t = torch.randn(3 * 65536 + 77)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = tensor_digest(t)
+        monkeypatch.setattr(digest, "_SLAB_MIN", 1000)  # slabs of whole chunks on three threads
+        torch.set_num_threads(3)
+        assert tensor_digest(t) == one
+    finally:
+        torch.set_num_threads(threads)

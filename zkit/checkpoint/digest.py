@@ -15,6 +15,7 @@ against an adversary: pickled code is refused separately, by ``weights_only`` lo
 from __future__ import annotations
 
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -24,8 +25,23 @@ import torch
 from zkit.checkpoint.errors import CheckpointError
 
 _CHUNK = 1 << 16  # words per weighted-sum chunk: 512 KiB, read from memory once, then from cache
+_SLAB_MIN = 1 << 21  # words (16 MiB) below which a thread of its own does not pay
 _MASK = (1 << 64) - 1
 _WEIGHTS = np.arange(1, _CHUNK + 1, dtype=np.int64)
+
+
+def _chunk_sums(x: np.ndarray) -> list[tuple[int, int]]:
+    """The plain and the weighted (by 1, 2, ...) wrapping sums of each ``_CHUNK`` words of ``x``:
+    the plain sums in one vectorised pass, each weighted sum as a dot product making no temporary
+    (the chunk is read from memory once, then from cache)."""
+    full = x.size - x.size % _CHUNK
+    plain = [int(v) for v in x[:full].reshape(-1, _CHUNK).sum(axis=1)] if full else []
+    if full < x.size:
+        plain.append(int(x[full:].sum()))
+    return [
+        (total, int(np.dot(x[i * _CHUNK : (i + 1) * _CHUNK], _WEIGHTS[: min(_CHUNK, x.size - i * _CHUNK)])))
+        for i, total in enumerate(plain)
+    ]
 
 
 class Digest:
@@ -54,17 +70,19 @@ class Digest:
 
     def _add(self, words: torch.Tensor) -> None:
         x = words.numpy()
-        full = x.size - x.size % _CHUNK
-        # Each chunk's plain sum in one vectorised pass, then its weighted sum as a dot product,
-        # which makes no temporary: about one read of the bytes from memory, the rest from cache.
-        sums = [int(s) for s in x[:full].reshape(-1, _CHUNK).sum(axis=1)] if full else []
-        if full < x.size:
-            sums.append(int(x[full:].sum()))
-        for i, total in enumerate(sums):
-            start = i * _CHUNK
-            chunk = x[start : start + _CHUNK]
+        # A large tensor is summed in slabs on torch's intra-op threads (numpy releases the GIL);
+        # slabs are whole chunks, so the chunks and the digest are the same on any thread count.
+        workers = min(torch.get_num_threads(), x.size // _SLAB_MIN)
+        if workers > 1:
+            step = -(-x.size // workers // _CHUNK) * _CHUNK
+            with ThreadPoolExecutor(workers) as pool:
+                parts = [s for slab in pool.map(_chunk_sums, [x[i : i + step] for i in range(0, x.size, step)])
+                         for s in slab]
+        else:
+            parts = _chunk_sums(x)
+        for i, (total, weighted) in enumerate(parts):
             # sum((offset + w) * x) = sum(w * x) + offset * sum(x), all modulo 2**64
-            self.weighted += int(np.dot(chunk, _WEIGHTS[: chunk.size])) + (self.words + start) * total
+            self.weighted += weighted + (self.words + i * _CHUNK) * total
             self.plain += total
         self.words += x.size
 
