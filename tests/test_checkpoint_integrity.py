@@ -132,3 +132,14 @@ def test_digest_is_the_same_on_any_thread_count(monkeypatch):
         assert tensor_digest(t) == one
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
+    from checkpoint_fault_ranks import save_with_a_full_disk_on_rank_1
+    from zkit.testing import run_ranks
+
+    messages = run_ranks(save_with_a_full_disk_on_rank_1, world_size=2, args=(str(tmp_path),), timeout=120)
+    for message in messages:  # no rank waits for rank 1's file
+        assert message.startswith("saving checkpoint 't' failed; rank 1: ")
+        assert "/.t.partial/rank_00001.pt: no space left on device" in message
+    assert not (tmp_path / "t").exists() and not (tmp_path / "latest").exists()

@@ -133,22 +133,29 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
         if engine.lr_scheduler is not None:
             payload["lr_scheduler"] = engine.lr_scheduler.state_dict()
     digests = payload_digests(payload)
-    atomic_torch_save(payload, target / rank_file(rank))
-    gathered = comm.all_gather_object(([[p.name, p.start, p.end] for p in pieces], digests))
-
-    if rank == 0:
-        meta = _meta(engine, tag, [entries for entries, _ in gathered])
-        meta["checksums"] = {rank_file(r): d for r, (_, d) in enumerate(gathered)}
+    failure = None
+    try:
+        atomic_torch_save(payload, target / rank_file(rank))
+    except CheckpointError as exc:
+        failure = f"rank {world.rank}: {exc}"  # every rank learns it below, rather than wait for this file
+    gathered = comm.all_gather_object(([[p.name, p.start, p.end] for p in pieces], digests, failure))
+    failures = [f for _, _, f in gathered if f]
+    if rank == 0 and not failures:
+        meta = _meta(engine, tag, [entries for entries, _, _ in gathered])
+        meta["checksums"] = {rank_file(r): d for r, (_, d, _) in enumerate(gathered)}
         if part is not None:
             meta["part"], meta["layout"] = part
         write_meta(target / META, meta)
     if part is not None:
-        names = world.all_gather_object(part[0])  # also the barrier: every part is on disk
-        if world.rank == 0:
-            write_meta(staging / META, {
-                "format": FORMAT, "version": VERSION, "tag": tag, "layout": part[1],
-                "parts": sorted(set(names)), "global_steps": engine.global_steps,
-            })
+        parts = world.all_gather_object((part[0], failures))  # also the barrier: every part is on disk
+        failures = sorted({f for _, fs in parts for f in fs})
+    if failures:
+        raise CheckpointError(f"saving checkpoint {tag!r} failed; {'; '.join(failures)}")
+    if part is not None and world.rank == 0:
+        write_meta(staging / META, {
+            "format": FORMAT, "version": VERSION, "tag": tag, "layout": part[1],
+            "parts": sorted({name for name, _ in parts}), "global_steps": engine.global_steps,
+        })
     if world.rank == 0:
         old = root / f".{tag}.old"
         if final.exists():
