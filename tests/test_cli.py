@@ -71,7 +71,7 @@ def test_run_without_master_port_uses_a_free_port_and_a_taken_port_names_the_fla
 
     script = tmp_path / "ok.py"
     script.write_text("import zkit.distributed as d, torch.distributed as dist\nd.ensure_initialized()\n"
-                      "print(f'ws {dist.get_world_size()}', flush=True)\n")
+                      "print(f'ws {dist.get_world_size()}', flush=True)\nimport sys\nsys.exit(0)\n")
     with socket.socket() as busy:  # another job holding torchrun's default port changes nothing
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -53,7 +53,11 @@ def main() -> None:
 
     @record
     def run_script() -> None:
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as exc:  # sys.exit(0) ends a script as well as returning does
+            if exc.code not in (None, 0):
+                raise
         tear_down_process_group()
 
     run_script()
