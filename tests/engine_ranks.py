@@ -384,3 +384,18 @@ def gpt_built_with_init() -> float:
     with GatheredParameters(list(model.parameters())):
         built = [p.detach().clone() for p in model.parameters()]
     return max((a - b).abs().max().item() for a, b in zip(built, whole))
+
+
+def different_seeds() -> dict:
+    """Each rank builds the model from its own seed (a script that never seeds): the engine trains
+    rank 0's model on every rank."""
+    import os
+
+    torch.manual_seed(100 + int(os.environ.get("RANK", "0")))
+    model = TiedNet()
+    engine, *_ = zkit.initialize(model=model, config=config(0, "fp32", 1, 2))
+    initial = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]).clone()
+    train_engine(engine, 2, 1, 2)
+    final = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
+    engine.close()
+    return {"initial": initial, "final": final}

@@ -116,9 +116,19 @@ def test_client_optimizer_class_and_defaults_are_kept():
     assert optimizer.param_groups[0]["lr"] == 0.05 and optimizer.param_groups[0]["momentum"] == 0.7
 
 
+def test_an_engine_without_optimizer_evaluates_and_refuses_to_train():
+    engine, optimizer, _, _ = zkit.initialize(model=LossModel(), config={"train_batch_size": 2})
+    assert optimizer is None  # DeepSpeed's answer for an inference/evaluation engine
+    x, y = torch.ones(2, 8), torch.zeros(2, 1)
+    assert torch.isfinite(engine(x, y))
+    with pytest.raises(RuntimeError, match=r'this engine was built without an optimizer \(for inference or evaluation\): '
+                                           r'to train, add "optimizer"'):
+        engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError, match="built without an optimizer"):
+        engine.step()
+
+
 def test_missing_optimizer_and_bad_arguments_are_explained():
-    with pytest.raises(ValueError, match=r'no optimizer: add "optimizer": \{"type": ..., "params": \{...\}\} to the config'):
-        zkit.initialize(model=LossModel(), config={"train_batch_size": 2})
     with pytest.raises(ValueError, match="zkit.initialize needs config="):
         zkit.initialize(model=LossModel())
     with pytest.raises(ValueError, match="mpu= is not supported"):
@@ -141,3 +151,33 @@ def test_eval_batch_is_forward_only():
     out = run_ranks(er.eval_batch_leaves_training_alone, 2, timeout=300)[0]
     assert out["loss"] == pytest.approx(out["expected"], rel=1e-6)
     assert out["training"] and out["unchanged"] and out["steps"] == 0 and not out["grads"]
+
+
+def test_a_client_lr_scheduler_schedules_the_optimizer_that_trains():
+    model = LossModel()
+    client = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(client, lambda step: 1.0 / (step + 1))
+    engine, optimizer, _, lr_scheduler = zkit.initialize(
+        model=model, optimizer=client, lr_scheduler=sched, config={"train_batch_size": 2})
+    assert lr_scheduler is sched and sched.optimizer is optimizer
+    lrs = [engine.get_lr()[0]]
+    for _ in range(3):
+        engine.backward(engine(torch.ones(2, 8), torch.zeros(2, 1)))
+        engine.step()
+        lrs.append(engine.get_lr()[0])
+    assert lrs == pytest.approx([0.1, 0.05, 0.1 / 3, 0.025])
+
+
+def test_a_client_adamw_instance_is_rebuilt_with_its_hyper_parameters():
+    model = LossModel()
+    client = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.3)
+    _, optimizer, _, _ = zkit.initialize(model=model, optimizer=client, config={"train_batch_size": 2})
+    assert type(optimizer) is torch.optim.AdamW
+    group = optimizer.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (0.01, (0.8, 0.9), 0.3)
+
+
+def test_ranks_that_built_different_models_train_rank_0s():
+    results = run_ranks(er.different_seeds, 2, timeout=120)
+    assert torch.equal(results[0]["initial"], results[1]["initial"])
+    assert torch.equal(results[0]["final"], results[1]["final"])

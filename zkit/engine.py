@@ -81,7 +81,8 @@ def initialize(
         training_data=training_data,
         collate_fn=collate_fn,
     )
-    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+    optimizer_out = None if engine.inference_only else engine.optimizer
+    return engine, optimizer_out, engine.training_dataloader, engine.lr_scheduler
 
 
 class Engine(torch.nn.Module):
@@ -120,7 +121,12 @@ class Engine(torch.nn.Module):
         self.allocator = self.records["allocator"].factory(self.device, self.config)
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         _setup_logging(self.rank)
+        # Ranks that built the model from different seeds must still train one model (as DDP and
+        # DeepSpeed do): rank 0 of the data-parallel group's values win.
+        broadcast_module(self.module, dp_group)
 
+        #: built without an optimizer: forward and eval only (backward/step say so)
+        self.inference_only = False
         opt_record, opt_params = self._optimizer_choice(client_optimizer)
         self.partitioner: Partitioner = self.records["partitioner"].factory(
             PartitionContext(
@@ -191,10 +197,9 @@ class Engine(torch.nn.Module):
                 params = {}
             return record, params
         if client is None:
-            raise ValueError(
-                'no optimizer: add "optimizer": {"type": ..., "params": {...}} to the config, choose one with '
-                "zkit.Stack(optimizer=...), or pass optimizer= to zkit.initialize"
-            )
+            # No optimizer anywhere: an engine for inference or evaluation, as DeepSpeed allows.
+            self.inference_only = True
+            return OptimizerRecord(name="none", factory=_InferenceOnly, dist="zkit"), {}
         if isinstance(client, torch.optim.Optimizer):
             cls, defaults = type(client), _constructor_defaults(client)
             factory = lambda groups, **kw: cls(groups, **{**defaults, **kw})  # noqa: E731
@@ -215,7 +220,9 @@ class Engine(torch.nn.Module):
             return record.factory(self.optimizer, **params)
         if client is None:
             return None
-        return client(self.optimizer) if callable(client) and not hasattr(client, "step") else client
+        if callable(client) and not hasattr(client, "step"):
+            return client(self.optimizer)
+        return _rebind_scheduler(client, self.optimizer)
 
     def _dataloader(self, data: Any, collate_fn: Any) -> torch.utils.data.DataLoader:
         sampler = torch.utils.data.DistributedSampler(
@@ -303,6 +310,8 @@ class Engine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        if self.inference_only:
+            raise RuntimeError(_NO_OPTIMIZER)
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
         self.pm.hook.zkit_before_backward(engine=self, loss=loss)
@@ -320,6 +329,8 @@ class Engine(torch.nn.Module):
 
     def step(self) -> None:
         """End a micro-step; at an accumulation boundary, run the optimizer step."""
+        if self.inference_only:
+            raise RuntimeError(_NO_OPTIMIZER)
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
@@ -327,6 +338,8 @@ class Engine(torch.nn.Module):
             return
         self.run_optimizer_step()
         self.global_steps += 1
+        if self.global_steps == 1 and self.rank == 0:
+            log.info("optimizer step kernel: %s", self.partitioner.step_kernel())
         self._after_step()
 
     def run_optimizer_step(self) -> bool:
@@ -567,6 +580,79 @@ class Engine(torch.nn.Module):
         self.comm.close()
         if self.world_comm is not self.comm:
             self.world_comm.close()
+
+
+_NO_OPTIMIZER = (
+    'this engine was built without an optimizer (for inference or evaluation): to train, add "optimizer": '
+    '{"type": ..., "params": {...}} to the config, choose one with zkit.Stack(optimizer=...), or pass optimizer= '
+    "to zkit.initialize"
+)
+
+
+class _InferenceOnly(torch.optim.Optimizer):
+    """The optimizer of an engine built without one: it holds the parameter groups (schedules,
+    checkpoints and logs read them) and refuses to step."""
+
+    def __init__(self, params: Any, **_: Any) -> None:
+        super().__init__(params, {"lr": 0.0})
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError(_NO_OPTIMIZER)
+
+
+def broadcast_module(module: torch.nn.Module, group: Any = None, bucket_numel: int = 1 << 25) -> None:
+    """Copy the parameters and buffers of the group's first rank to its other ranks, a bucket of
+    same-dtype tensors per collective. ZeRO-3 parameters built partitioned (``zkit.zero.Init``) are
+    already one model and are left alone. One-time set-up traffic: not in ``engine.comm_stats()``."""
+    dist = torch.distributed
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_process_group_ranks(group)[0] if group is not None else 0
+    tensors = [p.data for p in module.parameters() if getattr(p, "_zkit_unit", None) is None]
+    tensors += [b for b in module.buffers()]
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, device), group_tensors in by_dtype.items():
+        bucket: list[torch.Tensor] = []
+        for t in group_tensors + [None]:  # None flushes the last bucket
+            if t is not None and (not bucket or sum(b.numel() for b in bucket) + t.numel() <= bucket_numel):
+                bucket.append(t)
+                continue
+            flat = torch.cat([b.reshape(-1) for b in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket = [t] if t is not None else []
+
+
+def _rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """A client LR scheduler built over the client optimizer, moved onto the optimizer the
+    engine trains (zkit rebuilds the client optimizer over its shards, so the scheduler would
+    otherwise change the learning rate of an optimizer nobody steps)."""
+    old = getattr(scheduler, "optimizer", None)
+    if old is None or old is optimizer:
+        return scheduler
+    if len(old.param_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"lr_scheduler= schedules an optimizer with {len(old.param_groups)} parameter groups, but the engine's "
+            f"optimizer has {len(optimizer.param_groups)} (its groups come from model_parameters=); pass the same "
+            f"groups as model_parameters, or a callable optimizer -> scheduler"
+        )
+    for mine, theirs in zip(optimizer.param_groups, old.param_groups):
+        for key in ("lr", "initial_lr"):  # the schedule's current and base learning rates
+            if key in theirs:
+                mine[key] = theirs[key]
+    scheduler.optimizer = optimizer
+    # torch's check for "optimizer.step() overridden / called after the scheduler" looks at the
+    # first scheduler step only, for a wrapper the scheduler put on the old optimizer; the engine
+    # always steps the optimizer first, so that check is skipped rather than warning wrongly.
+    if getattr(scheduler, "_step_count", 0) == 1:
+        scheduler._step_count = 2
+    return scheduler
 
 
 def _to_half(value: Any) -> Any:

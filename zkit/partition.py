@@ -112,6 +112,10 @@ class Partitioner(abc.ABC):
     def zero_grad(self) -> None:
         """Forget the accumulated gradients."""
 
+    def step_kernel(self) -> str:
+        """What :meth:`step` runs, in words, for the step log (logged once, at the first step)."""
+        return f"{type(self.optimizer).__name__}.step"
+
     # -- state ---------------------------------------------------------------------------------
     @abc.abstractmethod
     def pieces(self) -> list[Piece]:

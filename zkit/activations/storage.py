@@ -50,7 +50,7 @@ class ActivationArena:
         self.overflows = 0  # requests served outside the arena since it was created
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         start = -(-self.offset // _ALIGN) * _ALIGN
         end = start + nbytes
         self.high_water = max(self.high_water, end)
@@ -109,7 +109,7 @@ class InputStore:
                 weakref.finalize(buf, alloc.track, "activation", -nbytes)
                 return buf
             pin = self.settings.pin_memory and torch.cuda.is_available()
-            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            buf = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
         else:
             buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
         if alloc is not None:
@@ -123,7 +123,7 @@ class InputStore:
             if arena is None:
                 arena = self._arenas[device] = ActivationArena(device, self._raw, self.settings.number_checkpoints)
             return arena.take(numel, dtype)
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         base = self._raw(nbytes, device)
         out = base.view(dtype)
         out._zkit_base = base  # its finalizer returns the bytes to the allocator's count

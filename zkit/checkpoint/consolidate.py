@@ -292,7 +292,7 @@ def _torch_layout(path: Path, entries: list[_Entry]) -> dict[str, int]:
     with FakeTensorMode():
         for e in entries:
             if e.canonical not in placeholders:
-                placeholders[e.canonical] = torch.empty(e.shape, dtype=e.dtype)
+                placeholders[e.canonical] = torch.empty(e.shape, dtype=e.dtype, device="cpu")
             state[e.name] = placeholders[e.canonical]
     with torch.serialization.skip_data(materialize_fake_tensors=True):
         torch.save(state, path)

@@ -65,7 +65,7 @@ class _Filler:
         for key, value in saved["state"].items():
             if torch.is_tensor(value) and value.dim() > 0 and value.numel() == n:
                 if key not in self.state:
-                    self.state[key] = torch.zeros(p.end - p.start, dtype=value.dtype)
+                    self.state[key] = torch.zeros(p.end - p.start, dtype=value.dtype, device="cpu")
                 self.state[key][dst].copy_(value[src])
             else:
                 self.state.setdefault(key, value.clone() if torch.is_tensor(value) else value)

@@ -29,7 +29,7 @@ SPLITS = ("train", "val")
 
 def encode(text: str) -> torch.Tensor:
     """UTF-8 bytes of ``text`` as a LongTensor of ids in ``[0, 256)``."""
-    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+    return torch.tensor(list(text.encode("utf-8")), dtype=torch.long, device="cpu")
 
 
 def decode(ids: torch.Tensor | list[int]) -> str:

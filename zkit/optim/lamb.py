@@ -240,7 +240,7 @@ class Lamb(torch.optim.Optimizer):
         updates = []
         for (gi, idx, bucket), space in zip(work, scratch):
             neg_update = _neg_update(prepared[gi][0], bucket, [self.state[p] for p in bucket], clips[gi], space)
-            where = torch.tensor([model_index[id(p)] for p in bucket]).to(home, non_blocking=True)
+            where = torch.tensor([model_index[id(p)] for p in bucket], device="cpu").to(home, non_blocking=True)
             partial = torch.stack([_norms(bucket), _norms(neg_update)]).to(home, acc).square()
             sums.index_add_(1, where, partial)  # pieces of one parameter add up
             updates.append((neg_update, where))
@@ -263,7 +263,7 @@ class Lamb(torch.optim.Optimizer):
                 raise RuntimeError(f"{_OWNER} needs floating-point parameters, got {p.dtype}")
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")  # torch's Adam keeps it on the host
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return params
@@ -309,7 +309,7 @@ class Lamb(torch.optim.Optimizer):
             sq = [_norms(g).square().sum().to(home, _accumulation_dtype(home)) for g in per_device.values()]
             grad_norm = torch.stack(sq).sum().sqrt()
         if not isinstance(grad_norm, torch.Tensor):
-            grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64)
+            grad_norm = torch.tensor(float(grad_norm), dtype=torch.float64, device="cpu")
         return 1.0 / torch.clamp((grad_norm + 1e-6) / max_norm, min=1.0)
 
 
@@ -399,7 +399,7 @@ def _neg_adam_direction_fused(group, params, grads, exp_avgs, exp_avg_sqs, ts, s
     device = params[0].device
     # The kernel reads (and does not advance) one step tensor per parameter, on its device.
     # non_blocking: a blocking host-to-device copy would wait for the stream to drain.
-    steps = list(torch.tensor(ts, dtype=torch.float32).to(device, non_blocking=True).unbind())
+    steps = list(torch.tensor(ts, dtype=torch.float32, device="cpu").to(device, non_blocking=True).unbind())
     torch._fused_adam_(
         out, grads, exp_avgs, exp_avg_sqs, [], steps,
         lr=1.0, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=group["eps"],

@@ -17,11 +17,16 @@ from typing import Any
 
 import torch
 
+from zkit.optim.fused_step import FusedStepOptimizer
 from zkit.partition import PartitionContext, Partitioner, Piece
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.param_refresh import ParamRefresh
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _fuses(optimizer: Any) -> bool:
+    return isinstance(optimizer, FusedStepOptimizer) and optimizer.fuses
 
 
 def _gradient_averaging(config: Any, world: int) -> tuple[str, float, float]:
@@ -75,6 +80,8 @@ class ZeroPartitioner(Partitioner):
         self._build_param_buffers()
         self._build_master()
         self.optimizer = self._build_optimizer()
+        #: the optimizer's step writes the 16-bit parameters itself (see :meth:`_attach_copy_out`)
+        self.copy_out = self._attach_copy_out()
         gathers = self.shards_states and self.world > 1 and self.stage in (1, 2)
         #: background parameter all-gathers (``overlap_param_gather``), else None: gathers in step()
         self.refresh = (
@@ -117,7 +124,8 @@ class ZeroPartitioner(Partitioner):
         self.master_store = make_store([u.shard for u in self.units]) if callable(make_store) else None
         if self.master_store is not None:
             self.master_is_param = False
-            self.master = [torch.empty((), dtype=torch.float32).expand(u.shard) for u in self.units]
+            placeholder = torch.empty((), dtype=torch.float32, device=self.allocator.place("master"))
+            self.master = [placeholder.expand(u.shard) for u in self.units]
             for u in self.units:
                 self.master_store.write_master(u.index, self._param_shard(u))
                 self._done_with_shard(u)
@@ -234,20 +242,56 @@ class ZeroPartitioner(Partitioner):
             self._gather_params()
             return
         grads = self._master_grads()
-        if grad_factor != 1.0:
+        # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
+        stepper = getattr(self.allocator, "step_optimizer", None)
+        fused = stepper is None and _fuses(self.optimizer)
+        if grad_factor != 1.0 and not fused:
             for g in grads:
                 g.mul_(grad_factor)
         for opt_param, u, a, b, _ in self.owned:
             opt_param.grad = grads[u][a:b]
-        # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
-        stepper = getattr(self.allocator, "step_optimizer", None)
-        if stepper is not None:
+        if fused:  # one pass: unscale x clip factor, update, 16-bit copy-out
+            self.optimizer.fused_step(grad_factor=grad_factor)
+        elif stepper is not None:
             stepper(self.optimizer)
         else:
             self.optimizer.step()
         for opt_param, *_ in self.owned:
             opt_param.grad = None
-        self.publish_params()
+        if self.copy_out:
+            self._gather_params()  # the step wrote this rank's shard of the parameters
+        else:
+            self.publish_params()
+
+    def step_kernel(self) -> str:
+        """What the optimizer step runs, for the step log."""
+        name = type(self.optimizer).__name__
+        if _fuses(self.optimizer):
+            return f"{name}: {self.optimizer.last_kernel}"
+        return f"{name}.step (gradients scaled, then the step, then the master copied into the parameters)"
+
+    def _copy_out_target(self, unit: int) -> torch.Tensor | None:
+        """The buffer :meth:`_publish_unit` writes a unit's updated master into."""
+        lo, hi = self.units[unit].shard_range(self.rank)
+        return self.param_bufs[unit][lo:hi]
+
+    def _attach_copy_out(self) -> bool:
+        """With a fused host optimizer and 16-bit parameters in host memory (CPU offload on a CPU,
+        or parameters offloaded at stage 3), let the step write each owned piece's parameters in its
+        own pass: all pieces or none."""
+        if self.master_is_param or self.master_store is not None or not _fuses(self.optimizer):
+            return False
+        if getattr(self.allocator, "step_optimizer", None) is not None:
+            return False
+        twins = []
+        for opt_param, u, a, b, _ in self.owned:
+            target = self._copy_out_target(u)
+            if target is None or target.device.type != "cpu" or target.dtype not in (torch.float16, torch.bfloat16):
+                return False
+            twins.append((opt_param, target[a:b]))
+        for opt_param, twin in twins:
+            self.optimizer.attach_copy_out(opt_param, twin)
+        return bool(twins)
 
     def publish_params(self) -> None:
         """Copy the updated master shard into the model's parameters and all-gather every unit

@@ -225,6 +225,10 @@ class Stage3(Stage2):
     def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
         self.sharded[unit].set_shard(master)
 
+    def _copy_out_target(self, unit: int) -> torch.Tensor | None:
+        su = self.sharded[unit]
+        return su.shard if su.store is None else None  # a stored shard is written through the store
+
     def _gather_params(self) -> None:
         handles = []
         for su in self.sharded:

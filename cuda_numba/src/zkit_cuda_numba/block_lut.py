@@ -43,7 +43,7 @@ def build_kernel_lut(layout: torch.Tensor, block: int, device: torch.device | st
     col_counts = torch.bincount(col_key, minlength=lines)
 
     def ptr(counts):
-        return torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+        return torch.cat([torch.zeros(1, dtype=torch.int64, device=counts.device), counts.cumsum(0)])
 
     def dev(t):
         return t.to(device=device, dtype=torch.int32).contiguous()
@@ -51,6 +51,6 @@ def build_kernel_lut(layout: torch.Tensor, block: int, device: torch.device | st
     return KernelLUT(
         block=block, seq=nb * block, layout_heads=heads,
         nz_head=dev(h), nz_row=dev(i), nz_col=dev(j),
-        row_ptr=dev(ptr(row_counts)), row_nz=dev(torch.arange(h.numel())),
+        row_ptr=dev(ptr(row_counts)), row_nz=dev(torch.arange(h.numel(), device="cpu")),
         col_ptr=dev(ptr(col_counts)), col_nz=dev(col_nz),
     )

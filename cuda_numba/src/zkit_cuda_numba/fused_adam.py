@@ -96,7 +96,7 @@ class FusedAdamCUDA(torch.optim.Optimizer):
         """torch Adam's layout: per parameter ``exp_avg``, ``exp_avg_sq`` (views of the flat
         buffers) and ``step``."""
         sd = super().state_dict()
-        step = torch.tensor(float(self.step_count))
+        step = torch.tensor(float(self.step_count), device="cpu")  # torch Adam's layout: a host scalar
         sd["state"] = {i: {**st, "step": step} for i, st in sd["state"].items()}
         return sd
 

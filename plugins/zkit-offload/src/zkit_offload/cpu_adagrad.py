@@ -39,7 +39,7 @@ class CPUAdagrad(FusedCPUOptimizer):
         self._check_flags(group, "CPUAdagrad")
 
     def _init_state(self, group, p, state) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         state["sum"] = torch.full_like(p, float(group["initial_accumulator_value"]),
                                        memory_format=torch.contiguous_format)
 

@@ -5,7 +5,8 @@ Drop-in for ``torch.optim.Adam`` / ``AdamW`` (same hyper-parameters, same ``stat
 DeepSpeed's ``DeepSpeedCPUAdam`` (``adamw_mode``, ``bias_correction``), without a C++ build.
 
 ``backend``: ``"numba"`` always runs the fused kernel; ``"torch"`` runs torch's fused CPU kernel
-for steps with nothing to fuse (no ``grad_factor``, no copy-out) and the Numba kernel otherwise;
+for steps with nothing to fuse (no ``grad_factor``, no copy-out) and the Numba kernel otherwise,
+and tells the engine not to fuse (it then scales and copies in separate passes around torch's kernel);
 ``"auto"`` (default) picks, for that plain step, whichever was faster in ``contrib/bench/bench_cpu_adam.py``
 on the reference machine: torch's (by 3-4%, within noise; the Numba kernel wins once there is
 anything to fuse). Both compute the same fp32 formula.
@@ -59,6 +60,9 @@ class CPUAdam(FusedCPUOptimizer):
         if backend not in BACKENDS:
             raise ValueError(f"{self._name}: backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
         self.backend = backend
+        #: ``backend="torch"``: the engine scales gradients and copies weights in passes of its own
+        #: around torch's kernel (the unfused reference of contrib/bench/bench_offload_step.py)
+        self.fuses = backend != "torch"
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         decoupled_weight_decay=adamw_mode, bias_correction=bias_correction)
         super().__init__(params, defaults)
@@ -91,6 +95,7 @@ class CPUAdam(FusedCPUOptimizer):
             bias1, bias2_sqrt = 1.0, 1.0
         if self._torch_plain(out_kind, grad_factor, group):
             fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
+            self.last_kernel = f"torch.{fused.__name__} (a plain fp32 step: nothing to fuse)"
             fused([p.detach()], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
                   lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
                   maximize=False)

@@ -57,12 +57,17 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
     """Base class; see the module docstring."""
 
     _state_names: tuple[str, ...] = ()
+    #: whether an engine should hand this optimizer the gradient factor and 16-bit copy-out
+    #: (zkit.optim.fused_step); a subclass that runs another library's kernel says False
+    fuses = True
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         super().__init__(params, defaults)
         self._copy_out: dict[int, torch.Tensor] = {}
         #: Whether the last :meth:`step` was applied (False: skipped because of inf/nan gradients).
         self.last_step_applied = True
+        #: What the last step ran (zkit.optim.fused_step.FusedStepOptimizer; the engine logs it).
+        self.last_kernel = "no step yet"
         for group in self.param_groups:
             self._check_group(group)
             for p in group["params"]:
@@ -77,7 +82,7 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
-        state["step"] = torch.tensor(0.0, dtype=torch.float32)
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
         for name in self._state_names:
             state[name] = torch.zeros_like(p, memory_format=torch.contiguous_format)
 
@@ -141,6 +146,11 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
             self.last_step_applied = False
             return False
         factor = f32(grad_factor)
+        outs = sorted({str(t.dtype).replace("torch.", "") for t in self._copy_out.values()})
+        self.last_kernel = (
+            f"Numba fused pass (gradient x {float(factor):g}, {type(self).__name__} update"
+            + "".join(f", {o} copy-out" for o in outs) + ")"
+        )
         for p, group in todo:
             state = self.state[p]
             if not state:
@@ -198,7 +208,7 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
     def _prepare_state(self, p: torch.Tensor, state: dict[str, Any]) -> None:
         """State loaded from a checkpoint may be non-contiguous or a Python number: normalise."""
         if not torch.is_tensor(state["step"]):
-            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32)
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device="cpu")
         for name in self._state_names:
             t = state[name]
             if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.shape != p.shape:

@@ -52,8 +52,8 @@ class SwapError(RuntimeError):
 def aligned_empty(numel: int, dtype: torch.dtype = torch.float32, align: int = ALIGN) -> torch.Tensor:
     """An uninitialised flat CPU tensor whose data starts on an ``align``-byte boundary, so the
     swapper can hand its memory to direct I/O without a staging copy."""
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.empty(numel * itemsize + align, dtype=torch.uint8)
+    itemsize = dtype.itemsize
+    raw = torch.empty(numel * itemsize + align, dtype=torch.uint8, device="cpu")
     skip = (-raw.data_ptr()) % align
     return raw[skip: skip + numel * itemsize].view(dtype)
 

@@ -44,7 +44,7 @@ ALIGN_ELEMS = ALIGN // 4
 
 def placeholder(shape: torch.Size | Sequence[int]) -> torch.Tensor:
     """A zero-stride fp32 tensor of ``shape`` backed by one element (no memory for the values)."""
-    return torch.empty((), dtype=torch.float32).expand(tuple(shape))
+    return torch.empty((), dtype=torch.float32, device="cpu").expand(tuple(shape))
 
 
 class SwappedMasterStore:

@@ -183,7 +183,7 @@ class SwappedState(defaultdict):
         # One sub-group cached: a checkpoint reads its parameters one after the other.
         if self._cache is None or self._cache[0] != index:
             n = self.plan.sizes[index]
-            tensors = {name: torch.empty(n, dtype=torch.float32) for name in self.plan.state_names}
+            tensors = {name: torch.empty(n, dtype=torch.float32, device="cpu") for name in self.plan.state_names}
             for name, t in tensors.items():
                 self.swapper.read(subgroup_key(index, name), t)
             self._cache = (index, tensors)

@@ -223,7 +223,7 @@ class OneBitAdam(torch.optim.Optimizer):
     def _state(self, p: torch.Tensor) -> dict[str, Any]:
         state = self.state[p]
         if not state:
-            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["step"] = torch.tensor(0.0, dtype=torch.float32, device="cpu")
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         return state
@@ -287,7 +287,7 @@ class OneBitAdam(torch.optim.Optimizer):
         for p, group, state in params:
             if group["weight_decay"] != 0:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
-            var_step = state.get("variance_step", torch.tensor(frozen)).item()
+            var_step = state.get("variance_step", torch.tensor(frozen, device="cpu")).item()
             step_size, denom = self._step_size_and_denom(group, state, state["step"].item(), var_step)
             denom.masked_fill_(state["exp_avg_sq"] == 0, float("inf"))
             p.addcdiv_(state["exp_avg"], denom, value=-step_size)
@@ -304,7 +304,7 @@ class OneBitAdam(torch.optim.Optimizer):
         """
         denoms = []
         for p, group, state in params:
-            var_step = state.get("variance_step", torch.tensor(float(self.freeze_step))).item()
+            var_step = state.get("variance_step", torch.tensor(float(self.freeze_step), device="cpu")).item()
             step_size, denom = self._step_size_and_denom(group, state, state["step"].item(), var_step)
             dead = self._has_dead_elements(p, state)
             if dead:

@@ -27,7 +27,7 @@ COMPRESSIBLE_OPS = ("sum", "avg")
 def _exchange(kind: str, transport: Communicator, out: torch.Tensor, inp: torch.Tensor, host: bool) -> None:
     """One uint8 collective; through host memory when the backend cannot take device tensors."""
     if host and inp.device.type != "cpu":
-        out_h = torch.empty(out.shape, dtype=out.dtype)
+        out_h = torch.empty(out.shape, dtype=out.dtype, device="cpu")
         getattr(transport, kind)(out_h, inp.cpu())
         out.copy_(out_h)
     else:

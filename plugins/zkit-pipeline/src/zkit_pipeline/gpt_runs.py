@@ -37,13 +37,13 @@ def make_data(cfg: GPTConfig, steps: int, replicas: int, micro: int, batch: int,
     """``[step][replica][micro] -> (inputs, targets)``: random tokens, or with ``progressions``
     arithmetic progressions ``a + k t (mod vocab)`` (learnable, so losses fall)."""
     gen = torch.Generator().manual_seed(seed)
-    t = torch.arange(cfg.seq_len + 1)
+    t = torch.arange(cfg.seq_len + 1, device="cpu")
 
     def sample() -> torch.Tensor:
         if not progressions:
-            return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen)
-        a = torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen)
-        k = torch.randint(1, 4, (batch, 1), generator=gen)
+            return torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len + 1), generator=gen, device="cpu")
+        a = torch.randint(0, cfg.vocab_size, (batch, 1), generator=gen, device="cpu")
+        k = torch.randint(1, 4, (batch, 1), generator=gen, device="cpu")
         return (a + k * t) % cfg.vocab_size
 
     out: Batches = []

@@ -78,6 +78,9 @@ class PipelineRunner:
         if module.virtual_stages > 1:
             self.params.setdefault("virtual_stages", module.virtual_stages)
         self.step_fn, self.partitioner = step, partitioner
+        #: where this stage's activations live: receive buffers, shape headers and the loss go
+        #: there too (NCCL moves device tensors only)
+        self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
         self.loss_scale = loss_scale or (lambda: 1.0)
         self.coord = self.grid.coord(rank)
         if self.coord.pipe != module.stage_id:
@@ -155,11 +158,11 @@ class PipelineRunner:
             if isinstance(inst, (RecvActivation, RecvGrad)):
                 key, peer = self._key(inst, False), self._peer_rank(inst)
                 if key not in self._shapes:
-                    h = torch.empty(_HEADER, dtype=torch.int64)
+                    h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
                     dist.recv(h, peer)
                     self._shapes[key] = (_DTYPES[int(h[0])], tuple(int(d) for d in h[2 : 2 + int(h[1])]))
                 dtype, shape = self._shapes[key]
-                buf = torch.empty(shape, dtype=dtype)
+                buf = torch.empty(shape, dtype=dtype, device=self.device)
                 ops.append(dist.P2POp(dist.irecv, buf, peer))
                 st.inbox[(inst.micro_batch, inst.chunk, type(inst))] = buf
         if ops:
@@ -305,7 +308,7 @@ class PipelineRunner:
                 data.all_reduce(q.grad, op="avg")
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        value = torch.stack(losses).mean() if losses else torch.zeros(())
+        value = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
         value = value.float().reshape(1).clone()
         pipe = self.comms["pipe"]
         last = self.grid.rank(pipe=self.module.num_stages - 1, data=self.coord.data, tensor=self.coord.tensor)
@@ -333,7 +336,7 @@ def _header(t: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"pipeline transfers support up to {_HEADER - 2} dimensions, got {t.dim()}")
     if t.dtype not in _DTYPES:
         raise ValueError(f"pipeline transfers do not support dtype {t.dtype}")
-    h = torch.zeros(_HEADER, dtype=torch.int64)
+    h = [0] * _HEADER
     h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
-    h[2 : 2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
-    return h
+    h[2 : 2 + t.dim()] = t.shape
+    return torch.tensor(h, dtype=torch.int64, device=t.device)  # where the activation is: NCCL's rule

@@ -96,7 +96,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: GPTConfig, comm: Any) -> None:
         super().__init__()
         self.tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, seed=cfg.seed)
-        self.positions = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model))
+        self.positions = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model, device="cpu"))
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

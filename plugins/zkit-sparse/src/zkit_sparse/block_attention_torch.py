@@ -171,7 +171,7 @@ def block_sparse_attention(q, k, v, lut: BlockLUT, masks: MaskSpec, scale: float
     (memory O(T * d) plus one ``workspace_elems`` chunk, one more matmul per block). ``buffer``
     holds the saved probabilities from one call to the next (see :class:`ReusableBuffer`).
     """
-    seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) if dropout > 0.0 else 0
+    seed = int(torch.randint(0, 2**31 - 1, (1,), device="cpu").item()) if dropout > 0.0 else 0
     if not save_probs:
         from zkit_sparse.block_attention_recompute import RecomputeBlockSparseAttentionFn
 

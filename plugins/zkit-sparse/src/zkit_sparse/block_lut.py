@@ -117,7 +117,7 @@ def _tile_mask(valid: torch.Tensor, row_block: torch.Tensor, col_block: torch.Te
     n, width = valid.shape
     masked = (~valid)[:, None, :, None].expand(n, block, width, block)
     if causal:
-        r = torch.arange(block)
+        r = torch.arange(block, device="cpu")
         q_pos = row_block[:, None, None, None] * block + r[None, :, None, None]
         k_pos = col_block[:, None, :, None] * block + r[None, None, None, :]
         masked = masked | (k_pos > q_pos)
@@ -138,7 +138,7 @@ def build_lut(layout: torch.Tensor, block: int, causal: bool,
     present = compress_heads(layout.detach().to("cpu") != 0)
     heads, nb, _ = present.shape
     if causal:  # blocks strictly above the diagonal hold only future keys
-        present = present & torch.ones(nb, nb, dtype=torch.bool).tril()
+        present = present & torch.ones(nb, nb, dtype=torch.bool, device=present.device).tril()
     flat = present.reshape(heads * nb, nb)
     counts = flat.sum(1)
     order = torch.argsort(counts, descending=True, stable=True)
@@ -146,7 +146,7 @@ def build_lut(layout: torch.Tensor, block: int, causal: bool,
     nonempty = int((sorted_counts > 0).sum())
     widths, per_width = torch.unique_consecutive(sorted_counts[:nonempty], return_counts=True)
     starts = partition_widths(widths.tolist(), per_width.tolist(), bucket_overhead)
-    row_starts = torch.cat([torch.zeros(1, dtype=torch.long), per_width.cumsum(0)]).tolist()
+    row_starts = torch.cat([torch.zeros(1, dtype=torch.long, device=per_width.device), per_width.cumsum(0)]).tolist()
 
     buckets = []
     for s, e in zip(starts, starts[1:] + [len(widths)]):

@@ -81,7 +81,7 @@ class SparsityConfig:
                 f"the sequence to a multiple of {self.block} (zkit_sparse.pad_to_block_size)"
             )
         num_blocks = seq_len // self.block
-        return torch.zeros((self.num_heads, num_blocks, num_blocks), dtype=torch.int64)
+        return torch.zeros((self.num_heads, num_blocks, num_blocks), dtype=torch.int64, device="cpu")
 
     def check_and_propagate_first_head_layout(self, layout: torch.Tensor) -> torch.Tensor:
         """Copy head 0's layout to every head unless each head has its own."""
@@ -114,7 +114,7 @@ def _window_ids(num_blocks: int, window_sizes: Sequence[int]) -> torch.Tensor:
     if covered < num_blocks:
         last = sizes[-1]
         sizes += [last] * (-(-(num_blocks - covered) // last))
-    ids = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    ids = torch.repeat_interleave(torch.arange(len(sizes), device="cpu"), torch.tensor(sizes, device="cpu"))
     return ids[:num_blocks]
 
 
@@ -132,7 +132,7 @@ def _sliding_window(num_blocks: int, width: int) -> torch.Tensor:
             f"num_sliding_window_blocks ({width}) must not exceed the number of blocks in a row "
             f"({num_blocks})"
         )
-    idx = torch.arange(num_blocks)
+    idx = torch.arange(num_blocks, device="cpu")
     return (idx[None, :] - idx[:, None]).abs() <= width // 2
 
 

@@ -59,7 +59,7 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 def _full_then_slice(shape: tuple[int, ...], dim: int, rank: int, size: int, seed: int, init: Init,
                      dtype: torch.dtype) -> torch.Tensor:
-    full = torch.empty(shape, dtype=dtype)
+    full = torch.empty(shape, dtype=dtype, device="cpu")  # the seeded host generator fills it
     init(full, torch.Generator().manual_seed(seed))
     return full.chunk(size, dim=dim)[rank].clone()
 
@@ -81,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         init = init or normal_init()
         self.weight = nn.Parameter(_full_then_slice((out_features, in_features), 0, rank, size, seed, init, dtype))
-        self.bias = nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype)) if bias else None
+        self.bias = nn.Parameter(torch.zeros(self.out_per_rank, dtype=dtype, device="cpu")) if bias else None
         mark_tensor_parallel(self.weight, self.bias)
 
     @classmethod
@@ -118,7 +118,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel = input_is_parallel
         init = init or normal_init()
         self.weight = nn.Parameter(_full_then_slice((out_features, in_features), 1, rank, size, seed, init, dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None  # replicated
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device="cpu")) if bias else None  # replicated
         mark_tensor_parallel(self.weight)
 
     @classmethod
