@@ -181,3 +181,36 @@ def test_ranks_that_built_different_models_train_rank_0s():
     results = run_ranks(er.different_seeds, 2, timeout=120)
     assert torch.equal(results[0]["initial"], results[1]["initial"])
     assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def test_zero_init_takes_deepspeeds_config_dict_or_path(tmp_path):
+    import json
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"train_batch_size": 2, "bf16": {"enabled": True}, "zero_optimization": {"stage": 3}}))
+    import zkit.zero
+
+    with zkit.zero.Init(config_dict_or_path=str(path)):
+        layer = torch.nn.Linear(8, 4)
+    assert getattr(layer.weight, "_zkit_unit", None) is not None and layer.weight.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="give the config as config= or config_dict_or_path=, not both"):
+        zkit.zero.Init(config={}, config_dict_or_path={})
+
+
+def test_checkpointing_configure_takes_deepspeeds_mpu_and_config(tmp_path):
+    import json
+
+    from zkit import checkpointing
+
+    class Mpu:  # Megatron's model-parallel unit, as DeepSpeed scripts pass it
+        def get_model_parallel_group(self):
+            return None
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"activation_checkpointing": {"profile": True, "number_checkpoints": 3}}))
+    for settings in (checkpointing.configure(Mpu(), deepspeed_config=str(path)),
+                     checkpointing.configure(mpu_=Mpu(), deepspeed_config=json.loads(path.read_text()))):
+        assert settings.profile is True and settings.number_checkpoints == 3
+    with pytest.raises(ValueError, match="either as the first argument or as deepspeed_config=, not both"):
+        checkpointing.configure({}, deepspeed_config={})
+    checkpointing.configure()  # back to the defaults for the tests that follow

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -54,9 +56,18 @@ class _State:
     group_stores: dict[int, InputStore] = {}
 
 
+@runtime_checkable
+class ModelParallelUnit(Protocol):
+    """Megatron's ``mpu`` as DeepSpeed scripts pass it: the tensor-parallel group's provider."""
+
+    def get_model_parallel_group(self) -> Any: ...
+
+
 def configure(
     config_or_engine: Any = None,
     *,
+    mpu_: ModelParallelUnit | None = None,
+    deepspeed_config: Any = None,
     group: Any = None,
     partition_activations: bool | None = None,
     contiguous_checkpointing: bool | None = None,
@@ -72,7 +83,27 @@ def configure(
     places host copies), a :class:`~zkit.config.ZkitConfig`, a config dict, or ``None`` for the
     defaults. ``group``: the tensor-parallel communicator (or torch ProcessGroup) that
     ``partition_activations`` splits saved inputs over; without one that key does nothing. The
-    keywords override the config, with DeepSpeed's argument names."""
+    keywords override the config, with DeepSpeed's argument names.
+
+    DeepSpeed's own call also works unchanged: ``configure(mpu, deepspeed_config=path_or_dict)``
+    (``mpu_`` by keyword, or as the first argument): the tensor-parallel group is
+    ``mpu.get_model_parallel_group()`` and the section is read from ``deepspeed_config``."""
+    if isinstance(config_or_engine, ModelParallelUnit):  # DeepSpeed's positional mpu_
+        if mpu_ is not None:
+            raise ValueError("configure: an mpu was given both as the first argument and as mpu_=")
+        config_or_engine, mpu_ = None, config_or_engine
+    if deepspeed_config is not None:
+        if config_or_engine is not None:
+            raise ValueError("configure: give the config either as the first argument or as deepspeed_config=, not both")
+        config_or_engine = deepspeed_config
+    if isinstance(config_or_engine, (str, os.PathLike)):
+        from zkit.config.load import _read_json
+
+        config_or_engine = _read_json(Path(config_or_engine))
+    if mpu_ is not None:
+        if group is not None:
+            raise ValueError("configure: give the tensor-parallel group either as group= or through mpu_, not both")
+        group = mpu_.get_model_parallel_group()
     section, allocator = section_from(config_or_engine)
     overrides = {
         "partition_activations": partition_activations,

@@ -40,10 +40,20 @@ class Init:
     ``dtype`` (or a config with fp16/bf16 enabled) stores the shards in that dtype right away.
     """
 
-    def __init__(self, config: Any = None, dtype: torch.dtype | None = None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        config: Any = None,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        *,
+        config_dict_or_path: Any = None,
+    ) -> None:
+        # DeepSpeed's keyword is config_dict_or_path (``config`` its older name): one or the other
+        if config is not None and config_dict_or_path is not None:
+            raise ValueError("zero.Init: give the config as config= or config_dict_or_path=, not both")
         self.enabled = enabled
         self.dtype = dtype
-        self.config = config
+        self.config = config if config is not None else config_dict_or_path
         self._patched: list[tuple[type, Any]] = []
 
     def __enter__(self) -> "Init":
