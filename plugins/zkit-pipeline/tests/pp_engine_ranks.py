@@ -90,7 +90,8 @@ def train_engine(stage: int, schedule: str = "1f1b", tied: bool = False, clip: f
     replicas = dist.get_world_size() // STAGES
     engine, *_ = zkit.initialize(model=module, config=config(stage, clip))
     replica = module.grid.coord(dist.get_rank()).data
-    losses = [float(engine.train_batch(iter(step[replica]))) for step in data(replicas)]
+    returned = [engine.train_batch(iter(step[replica])) for step in data(replicas)]
+    losses = [float(loss) for loss in returned]
     ref_layers, ref_losses = train_reference(tied, replicas, clip)
     worst = 0.0
     for c in range(module.virtual_stages):
@@ -102,7 +103,9 @@ def train_engine(stage: int, schedule: str = "1f1b", tied: bool = False, clip: f
                     worst = max(worst, float((a.detach() - b.detach()).abs().max()))
     out = {
         "losses": losses,
-        "ref_losses": [step[replica] for step in ref_losses],
+        # DeepSpeed's train_batch: the mean over the data-parallel replicas, detached
+        "ref_losses": [sum(step) / len(step) for step in ref_losses],
+        "loss_requires_grad": any(loss.requires_grad for loss in returned),
         "param_diff": worst,
         "dp_size": engine.world_size,
         "train_batch_size": engine.train_batch_size(),

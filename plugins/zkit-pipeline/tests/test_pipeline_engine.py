@@ -39,6 +39,7 @@ def _check(results, case, dp):
         assert r["train_batch_size"] == per.BATCH * per.MICRO * dp
         assert r["global_steps"] == per.STEPS
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6), f"rank {rank}"
+        assert not r["loss_requires_grad"], f"rank {rank}: train_batch returned a loss that requires grad"
         assert r["param_diff"] < 1e-5, f"rank {rank}: parameters differ by {r['param_diff']}"
         # activations and gradients cross stages on the world communicator, not the partitioner's
         assert r["world_comm"]["send"]["bytes"] > 0

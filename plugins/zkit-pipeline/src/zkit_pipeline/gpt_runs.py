@@ -66,8 +66,10 @@ def engine_config(micro: int, batch: int, zero: int, lr: float, clip: float) -> 
     }
 
 
-def train_dense(cfg: GPTConfig, data: Batches, *, lr: float, clip: float, replica: int = 0) -> Run:
-    """The reference: one process, the whole global batch, AdamW, ``clip_grad_norm_``."""
+def train_dense(cfg: GPTConfig, data: Batches, *, lr: float, clip: float, replica: int | None = 0) -> Run:
+    """The reference: one process, the whole global batch, AdamW, ``clip_grad_norm_``. The losses
+    are ``replica``'s, or with ``None`` the mean over the replicas (what a pipeline engine's
+    ``train_batch`` returns)."""
     model = TensorParallelGPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)  # zkit's AdamW default
     losses, norms = [], []
@@ -78,8 +80,8 @@ def train_dense(cfg: GPTConfig, data: Batches, *, lr: float, clip: float, replic
             for x, y in batches:
                 loss = model.loss(model(x), y)
                 (loss / n).backward()
-                if r == replica:
-                    mine += loss.item() / len(batches)
+                if replica is None or r == replica:
+                    mine += loss.item() / len(batches) / (len(step) if replica is None else 1)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip if clip > 0 else float("inf"))))
         opt.step()
         opt.zero_grad()

@@ -308,11 +308,16 @@ class PipelineRunner:
                 data.all_reduce(q.grad, op="avg")
 
     def _mean_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """The batch's loss on every rank, as DeepSpeed's ``train_batch`` returns it: the last
+        stage's mean over micro-batches, averaged over the data-parallel replicas, detached."""
         value = torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
-        value = value.float().reshape(1).clone()
+        value = value.detach().float().reshape(1).clone()
         pipe = self.comms["pipe"]
         last = self.grid.rank(pipe=self.module.num_stages - 1, data=self.coord.data, tensor=self.coord.tensor)
         pipe.broadcast(value, src=last)
+        data = self.comms.get("data")
+        if data is not None and data.world_size > 1:
+            data.all_reduce(value, op="avg")
         return value[0]
 
 
