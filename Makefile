@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PACKAGES := -e ".[test]" -e plugins/zkit-offload -e plugins/zkit-onebit -e plugins/zkit-pipeline \
-            -e plugins/zkit-sparse -e "cuda_numba[ptx]"
+            -e plugins/zkit-sparse -e "cuda_numba[ptx]" -e plugins/zkit-deepspeed
 NPROC ?= 2
 STEPS ?= 200
 
