@@ -1,5 +1,6 @@
 """:class:`ZkitConfig`, the whole structured config. Keys and defaults follow DeepSpeed's
 ``ds_config.json``; ``seed`` and ``comms_timeout_s`` are zkit's own."""
+import sys
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
@@ -35,6 +36,13 @@ from zkit.config.sections import (
 from zkit.config.structure import unstructure
 from zkit.config.zero import ZeroConfig
 
+
+def never_for_infinity(value: Any) -> Any:
+    """Accelerate's DeepSpeed plugin sets ``steps_per_print`` to ``float("inf")`` (never): an
+    interval no run reaches."""
+    return sys.maxsize if isinstance(value, float) and value == float("inf") else value
+
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -63,7 +71,9 @@ class ZkitConfig:
     gradient_clipping: float = setting(
         0.0, check=at_least(0), doc="Clip the global gradient norm to this (0: off)."
     )
-    steps_per_print: int = setting(10, check=at_least(1), doc="Log every this many steps.")
+    steps_per_print: int = setting(
+        10, check=at_least(1), edge=never_for_infinity, doc="Log every this many steps."
+    )
     wall_clock_breakdown: bool = setting(False, doc="Time forward, backward and step.")
     memory_breakdown: bool = setting(
         False, doc="Log the step line and the per-rank memory line at every step, not only every steps_per_print."

@@ -18,6 +18,8 @@ like any collective.
 from __future__ import annotations
 
 import contextlib
+import os
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -91,7 +93,8 @@ class Init:
         from zkit.stack import Stack, configure
 
         pm = get_plugin_manager()
-        config = load_config(self.config, world_size=self.comm.world_size, sections=pm.config_sections())
+        config = load_config(_without_placeholders(self.config), world_size=self.comm.world_size,
+                             sections=pm.config_sections())
         if self.dtype is None:
             self.dtype = config.dtype
         if int(config.zero_optimization.stage) != 3:
@@ -161,6 +164,26 @@ class Init:
             else:
                 setattr(cls, name, original)
         self._patched = []
+
+
+def _without_placeholders(config: Any) -> Any:
+    """The config less Hugging Face's ``"auto"`` placeholders. transformers builds a model inside
+    ``zero.Init(config_dict_or_path=...)`` before it fills them in (scheduler steps, bucket sizes
+    from the hidden size): the Init reads none of those keys, and the engine later gets the filled
+    config and validates it whole."""
+    from zkit.config import ZkitConfig
+    from zkit.config.load import _read_json
+
+    if config is None or isinstance(config, ZkitConfig):
+        return config
+    data = _read_json(Path(config)) if isinstance(config, (str, os.PathLike)) else config
+
+    def strip(value: Any) -> Any:
+        if isinstance(value, dict):
+            return {k: strip(v) for k, v in value.items() if not (isinstance(v, str) and v == "auto")}
+        return value
+
+    return strip(data)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ equal shards, of which a rank keeps only its shard. The full buffer exists only 
 expanded to the shape, so ``p.shape`` still answers) and are instances of :class:`ZeroParameter`,
 whose ``__torch_function__`` gathers a released parameter on use while a stage-3 engine runs its
 forward or backward, and otherwise raises an error that says what to do instead of computing with
-garbage.
+garbage (``state_dict()`` of such a model gives meta tensors: keys and shapes, no values).
 
 A shard normally is a tensor in memory (``ShardedUnit.shard``: on the device, or on the host when
 an allocator places purpose ``"param"`` there). An offload allocator may instead keep it in a
@@ -84,6 +84,11 @@ class ZeroParameter(torch.nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.detach and ACTIVE.fetch is None and args[0]._zkit_released:
+            # module.state_dict() outside forward (Hugging Face reads a partitioned model's keys
+            # and shapes before loading weights): the entry has the parameter's shape and dtype
+            # on the meta device, so anything that reads its values fails there, loudly.
+            return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
         if getattr(func, "__name__", "") not in _METADATA:
             params = list(_zero_params(args, kwargs))
             released = [p._zkit_unit for p in params if p._zkit_released]
