@@ -4,13 +4,14 @@ at any data-parallel degree)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
 from zkit.checkpoint import rng
+from zkit.checkpoint.deepspeed.layout import looks_like_deepspeed
 from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import file_digests, load_rank_file, rank_file, read_meta, resolve_tag
+from zkit.checkpoint.files import META, file_digests, load_rank_file, rank_file, read_meta, resolve_tag
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -85,6 +86,36 @@ class _Filler:
             }
 
 
+def fill_pieces(
+    engine: "Engine",
+    index: dict[str, list[Any]],
+    read: Callable[[str], list[dict[str, Any]]],
+    where: Path,
+    with_state: bool,
+) -> None:
+    """Fill every piece this rank owns (its fp32 master values and, ``with_state``, its
+    optimizer state) from saved pieces. ``index`` maps each file to the ``(name, start, end)``
+    ranges it holds; ``read(file)`` returns the file's saved pieces (dicts with ``name``,
+    ``start``, ``end``, ``master`` and ``state``). Only files holding ranges this rank owns are
+    read; a piece left partly uncovered is an error."""
+    fillers: dict[str, list[_Filler]] = {}
+    for piece in engine.partitioner.pieces():
+        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, with_state))
+    for fname, entries in index.items():
+        if not any(
+            f.piece.start < end and start < f.piece.end
+            for name, start, end in entries
+            for f in fillers.get(name, ())
+        ):
+            continue
+        for saved in read(fname):
+            for f in fillers.get(saved["name"], ()):
+                f.fill(saved, where / fname)
+    for group in fillers.values():
+        for f in group:
+            f.finish()
+
+
 def load_checkpoint(
     engine: "Engine",
     load_dir: str,
@@ -96,6 +127,11 @@ def load_checkpoint(
     root = Path(load_dir)
     tag = resolve_tag(root, tag)
     where = root / tag
+    if not (where / META).is_file() and looks_like_deepspeed(where):
+        from zkit.checkpoint.deepspeed.load import load_deepspeed_checkpoint
+
+        return load_deepspeed_checkpoint(engine, where, load_optimizer_states=load_optimizer_states,
+                                         load_lr_scheduler_states=load_lr_scheduler_states)
     meta = read_meta(where)
     part = model_part(engine.module)
     refuse_mismatch(where, meta.get("parts"), part)
@@ -107,9 +143,6 @@ def load_checkpoint(
         meta = read_meta(where)
     _check_params(meta, engine, where)
 
-    fillers: dict[str, list[_Filler]] = {}
-    for piece in engine.partitioner.pieces():
-        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, load_optimizer_states))
     # Read (and verify) each file once: rank 0's and this rank's are kept for what follows.
     kept: dict[str, dict] = {}
 
@@ -119,21 +152,7 @@ def load_checkpoint(
             kept[fname] = data
         return data
 
-    # Read only the files holding ranges this rank needs.
-    for fname, entries in meta["index"].items():
-        if not any(
-            f.piece.start < end and start < f.piece.end
-            for name, start, end in entries
-            for f in fillers.get(name, ())
-        ):
-            continue
-        data = read(fname)
-        for saved in data["pieces"]:
-            for f in fillers.get(saved["name"], ()):
-                f.fill(saved, where / fname)
-    for group in fillers.values():
-        for f in group:
-            f.finish()
+    fill_pieces(engine, meta["index"], lambda fname: read(fname)["pieces"], where, load_optimizer_states)
 
     first = read(rank_file(0))
     mine = first if engine.rank == 0 else None

@@ -1,0 +1,84 @@
+"""Train :class:`PeerNet` with the real DeepSpeed, save a checkpoint, and continue: the reference
+for importing DeepSpeed checkpoints. Runs in DeepSpeed's interpreter (``.venv-peers``), not zkit's:
+
+    DS_ACCELERATOR=cpu .venv-peers/bin/python tests/deepspeed_peer_run.py --out DIR --runs 1:fp32,2:fp32
+
+For every run ``STAGE:DTYPE[:offload]`` it trains ``--before`` steps on ``--world`` gloo ranks,
+saves ``DIR/<run>/`` with ``engine.save_checkpoint``, trains ``--after`` more steps and records
+every step's loss averaged over the ranks (the global batch's mean loss). ``DIR/results.json``
+maps each run to ``{"before": [...], "after": [...]}``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    import deepspeed
+
+    from deepspeed_peer_model import PeerNet, batch, ds_config
+
+    results = {}
+    for run in args.runs.split(","):
+        stage, dtype, *rest = run.split(":")
+        model = PeerNet()
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=ds_config(int(stage), world, dtype, offload="offload" in rest),
+                                          dist_init_required=False)
+        dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+
+        def step(k: int) -> float:
+            x, y = batch(k, rank, world)
+            loss = engine(x.to(dt), y.to(dt))
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().float().clone()
+            dist.all_reduce(mean)
+            return mean.item() / world
+
+        before = [step(k) for k in range(args.before)]
+        name = run.replace(":", "-")
+        engine.save_checkpoint(os.path.join(args.out, name), client_state={"epoch": 3, "note": "peer"})
+        after = [step(k) for k in range(args.before, args.before + args.after)]
+        results[name] = {"before": before, "after": after}
+        engine.destroy()
+        del engine
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", default="1:fp32,2:fp32,3:fp32")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--before", type=int, default=3)
+    parser.add_argument("--after", type=int, default=3)
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_rank, args=(args.world, port, args), nprocs=args.world, start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()

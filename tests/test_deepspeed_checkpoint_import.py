@@ -1,0 +1,202 @@
+"""A DeepSpeed run continues in zkit from DeepSpeed's own checkpoint.
+
+The real DeepSpeed (``.venv-peers``, built by ``make peers``) trains :class:`PeerNet` on 2 ranks at
+ZeRO stages 1, 2 and 3, saves, and continues for a few steps: the reference. zkit loads each saved
+directory at the same world size and stage, at world size 1 and at another stage, continues on the
+same batches, and its losses must equal DeepSpeed's within 1e-4 relative (fp32). The checkpoints
+are generated once per session in a temporary directory; nothing binary is committed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zkit
+from zkit.testing import run_ranks
+
+from deepspeed_peer_model import PeerNet, batch, ds_config
+
+HERE = Path(__file__).resolve().parent
+PEER_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
+BEFORE, AFTER = 3, 3
+RTOL = 1e-4
+STAGES = (1, 2, 3)
+
+
+def _peer_missing() -> str | None:
+    if not PEER_PYTHON.exists():
+        return f"no DeepSpeed peer environment at {PEER_PYTHON} (build it with `make peers`)"
+    probe = subprocess.run([str(PEER_PYTHON), "-c", "import deepspeed"], capture_output=True, text=True,
+                           env=_peer_env(), timeout=300)
+    if probe.returncode != 0:
+        return f"{PEER_PYTHON} cannot import deepspeed: {probe.stderr.strip().splitlines()[-1:]}"
+    return None
+
+
+def _peer_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    return env
+
+
+@pytest.fixture(scope="module")
+def deepspeed_run(tmp_path_factory) -> tuple[Path, dict]:
+    """DeepSpeed's checkpoints (``<root>/<stage>-fp32/``) and its losses before and after the save."""
+    reason = _peer_missing()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("deepspeed")
+    runs = ",".join(f"{s}:fp32" for s in STAGES)
+    proc = subprocess.run(
+        [str(PEER_PYTHON), str(HERE / "deepspeed_peer_run.py"), "--out", str(root), "--runs", runs,
+         "--before", str(BEFORE), "--after", str(AFTER)],
+        env=_peer_env(), capture_output=True, text=True, timeout=600,
+    )
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise AssertionError(f"the DeepSpeed side failed with exit code {proc.returncode}:\n{tail}")
+    return root, json.loads((root / "results.json").read_text())
+
+
+def continue_runs(runs: list[tuple[str, int]]) -> list[dict]:
+    """Rank function: for every ``(deepspeed_dir, zkit_stage)`` load the DeepSpeed checkpoint into a
+    fresh engine and train ``AFTER`` more steps; the global-batch losses and what was restored."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    out = []
+    for path, stage in runs:
+        model = PeerNet()
+        with torch.no_grad():  # the loaded checkpoint must overwrite every value
+            for p in model.parameters():
+                p.fill_(0.5)
+        engine, *_ = zkit.initialize(model=model, config=ds_config(stage, world))
+        loaded, client = engine.load_checkpoint(path)
+        restored = {"steps": engine.global_steps, "samples": engine.global_samples, "lr": engine.get_lr()[0],
+                    "epoch": client.get("epoch"), "note": client.get("note"), "loaded": loaded}
+        losses = []
+        for k in range(BEFORE, BEFORE + AFTER):
+            x, y = batch(k, rank, world)
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            mean = loss.detach().clone()
+            torch.distributed.all_reduce(mean)
+            losses.append(mean.item() / world)
+        engine.close()
+        out.append({"losses": losses, **restored})
+    return out
+
+
+def _expect_same(got: list[float], want: list[float], what: str) -> None:
+    for k, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert abs(g - w) <= RTOL * abs(w), f"{what}: step {BEFORE + k} loss {g!r}, DeepSpeed's {w!r}\n{got}\n{want}"
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_zkit_continues_deepspeed_runs(deepspeed_run, world):
+    """Every ZeRO stage's checkpoint, at the same stage and at the next one, on 2 ranks and on 1."""
+    root, reference = deepspeed_run
+    runs = [(str(root / f"{s}-fp32"), z) for s in STAGES for z in (s, s % 3 + 1)]
+    results = run_ranks(continue_runs, world, args=(runs,), timeout=300)[0]
+    for (path, stage), got in zip(runs, results):
+        name = Path(path).name
+        what = f"DeepSpeed {name} -> zkit stage {stage} on {world} rank(s)"
+        _expect_same(got["losses"], reference[name]["after"], what)
+        assert (got["steps"], got["samples"]) == (BEFORE, BEFORE * 8), what
+        assert (got["epoch"], got["note"]) == (3, "peer"), what
+        assert got["loaded"].endswith(f"global_step{BEFORE}"), what
+
+
+# -- bad input: without DeepSpeed ----------------------------------------------------------------------
+
+class _RunsCode:
+    """A pickle that would run a shell command when unpickled without restrictions."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _fake_deepspeed_dir(root: Path, model_state: dict) -> Path:
+    where = root / "global_step1"
+    where.mkdir(parents=True)
+    torch.save(model_state, where / "mp_rank_00_model_states.pt")
+    (root / "latest").write_text("global_step1")
+    return where
+
+
+def test_a_pickle_outside_the_allow_list_is_refused_naming_file_and_object(tmp_path):
+    from zkit.checkpoint import CheckpointError
+    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    marker = tmp_path / "ran"
+    where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {"w": torch.ones(2)}, "extra": _RunsCode(marker)})
+    with pytest.raises(CheckpointError) as err:
+        DeepSpeedCheckpoint(where)
+    assert str(where / "mp_rank_00_model_states.pt") in str(err.value)
+    assert "refusing to unpickle posix.system" in str(err.value)
+    assert not marker.exists()
+
+
+def test_deepspeed_stand_ins_load_without_deepspeed(tmp_path, monkeypatch):
+    """What DeepSpeed pickles (its loss scaler, its stage enum, argparse.Namespace) loads as inert
+    stand-ins, with their attributes."""
+    import argparse
+    import types
+
+    from zkit.checkpoint.deepspeed.unpickler import load_file
+
+    # A file as DeepSpeed writes it, made without DeepSpeed: classes in modules named like its own.
+    scaler_cls = type("DynamicLossScaler", (), {"__module__": "deepspeed.runtime.fp16.loss_scaler"})
+    enum_cls = type("ZeroStageEnum", (int,), {"__module__": "deepspeed.runtime.zero.config"})
+    for name in ("deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16", "deepspeed.runtime.fp16.loss_scaler",
+                 "deepspeed.runtime.zero", "deepspeed.runtime.zero.config"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    sys.modules["deepspeed.runtime.fp16.loss_scaler"].DynamicLossScaler = scaler_cls
+    sys.modules["deepspeed.runtime.zero.config"].ZeroStageEnum = enum_cls
+    scaler = scaler_cls()
+    scaler.cur_scale, scaler.cur_iter = 256.0, 7
+    path = tmp_path / "optim.pt"
+    torch.save({"loss_scaler": scaler, "zero_stage": enum_cls(2), "args": argparse.Namespace(lr=0.1),
+                "t": torch.arange(3)}, path)
+    data = load_file(path)
+    assert data["loss_scaler"].origin == "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"
+    assert (data["loss_scaler"].cur_scale, data["loss_scaler"].cur_iter) == (256.0, 7)
+    assert data["zero_stage"] == 2 and data["args"].lr == 0.1
+    assert data["t"].tolist() == [0, 1, 2]
+
+
+def test_an_incomplete_deepspeed_checkpoint_names_the_missing_file(tmp_path):
+    from zkit.checkpoint import CheckpointError
+    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {}, "param_shapes": [{}]})
+    torch.save({}, where / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt is missing"):
+        DeepSpeedCheckpoint(where)
+
+
+def test_a_tensor_parallel_deepspeed_checkpoint_is_refused(tmp_path):
+    from zkit.checkpoint import CheckpointError
+    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {}})
+    torch.save({"module": {}}, where / "mp_rank_01_model_states.pt")
+    with pytest.raises(CheckpointError, match="2 tensor-parallel ranks .* not supported"):
+        DeepSpeedCheckpoint(where)
+
+
+def test_a_stage0_deepspeed_checkpoint_is_refused(tmp_path):
+    from zkit.checkpoint import CheckpointError
+    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {}, "optimizer": {}})
+    with pytest.raises(CheckpointError, match="without ZeRO .stage 0.; only ZeRO stages 1-3"):
+        DeepSpeedCheckpoint(where)

@@ -1,0 +1,89 @@
+"""``engine.load_checkpoint`` on a DeepSpeed checkpoint: a run trained with DeepSpeed continues in
+zkit at any world size and ZeRO stage.
+
+Each rank fills the parameter ranges it owns from the DeepSpeed ranks' files that hold them (the
+same resharding as for zkit's own checkpoints); buffers and frozen parameters come from the model
+file. Carried over: fp32 master weights, Adam/AdamW ``exp_avg``, ``exp_avg_sq`` and ``step``, the
+optimizer's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``), the LR scheduler, the
+loss scale, the step and sample counters and the client state. Not carried over: random number
+generator states (DeepSpeed does not save them), data sampler and curriculum state.
+"""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+from zkit.checkpoint.errors import CheckpointError
+from zkit.checkpoint.load import _check_params, _load_module_extras, fill_pieces
+from zkit.checkpoint.parts import model_part
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit.engine import Engine
+
+log = logging.getLogger("zkit")
+
+#: optimizer hyperparameters taken from the checkpoint (DeepSpeed restores its param groups whole)
+HYPERPARAMETERS = ("lr", "betas", "eps", "weight_decay", "bias_correction", "amsgrad")
+
+
+def load_deepspeed_checkpoint(
+    engine: "Engine", where: Path, *, load_optimizer_states: bool, load_lr_scheduler_states: bool
+) -> tuple[str, dict]:
+    """Load the DeepSpeed checkpoint in ``where`` (one tag's directory) into ``engine``; return
+    ``(where, client_state)`` as ``engine.load_checkpoint`` does."""
+    if model_part(engine.module) is not None:
+        raise CheckpointError(
+            f"{where}: a DeepSpeed checkpoint of an unsplit model cannot be loaded into a model split over "
+            f"pipeline or tensor-parallel ranks"
+        )
+    ckpt = DeepSpeedCheckpoint(where)
+    _check_params({"params": {n: list(s) for n, s in ckpt.params.items()}}, engine, where)
+    fill_pieces(engine, ckpt.index, lambda fname: ckpt.pieces(fname, with_state=load_optimizer_states),
+                where, load_optimizer_states)
+    extras = {n: t for n, t in ckpt.module_extras().items() if n in _extra_names(engine)}
+    _load_module_extras(engine.module, extras, where)
+    if load_optimizer_states:
+        _load_hyperparameters(engine, ckpt.param_groups())
+    lr_state = ckpt.model_state.get("lr_scheduler")
+    if load_lr_scheduler_states and engine.lr_scheduler is not None and lr_state is not None:
+        engine.lr_scheduler.load_state_dict(lr_state)
+    engine.global_steps = int(ckpt.model_state.get("global_steps", 0))
+    engine.global_samples = int(ckpt.model_state.get("global_samples", 0))
+    engine.skipped_steps = int(ckpt.model_state.get("skipped_steps", 0))
+    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
+    if engine.loss_scaler.dynamic:
+        engine.loss_scaler.load_state_dict(ckpt.loss_scaler())
+    engine.partitioner.after_load()
+    getattr(engine, "world_comm", engine.comm).barrier()
+    if engine.rank == 0:
+        log.info(
+            "loaded DeepSpeed checkpoint %s (ZeRO stage %d, %d ranks, DeepSpeed %s) at stage %d on %d ranks",
+            where, ckpt.stage, ckpt.world_size, ckpt.model_state.get("ds_version", "?"),
+            engine.partitioner.stage, engine.world_size,
+        )
+    return str(where), ckpt.client_state(with_optimizer=load_optimizer_states, with_lr_scheduler=load_lr_scheduler_states)
+
+
+def _extra_names(engine: "Engine") -> set[str]:
+    names = {n for n, _ in engine.module.named_buffers()}
+    return names | {n for n, p in engine.module.named_parameters() if not p.requires_grad}
+
+
+def _load_hyperparameters(engine: "Engine", saved: list[dict[str, Any]]) -> None:
+    groups = engine.optimizer.param_groups
+    if len(saved) == len(groups):
+        pairs = list(zip(groups, saved))
+    elif len({repr({k: g.get(k) for k in HYPERPARAMETERS}) for g in saved}) == 1:
+        pairs = [(g, saved[0]) for g in groups]  # DeepSpeed's sub-groups of one group
+    else:
+        log.warning(
+            "the DeepSpeed checkpoint has %d optimizer parameter groups, this engine %d: their hyperparameters "
+            "come from this run's config", len(saved), len(groups),
+        )
+        return
+    for group, values in pairs:
+        for key in HYPERPARAMETERS:
+            if key in values and key in group:
+                group[key] = values[key]
