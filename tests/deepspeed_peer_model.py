@@ -59,6 +59,7 @@ def ds_config(stage: int, world_size: int, dtype: str = "fp32", offload: bool = 
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     elif dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    if offload:
+    if offload:  # DeepSpeed's CPU Adam steps the offloaded partitions (torch_adam is refused there)
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        del cfg["optimizer"]["params"]["torch_adam"]
     return cfg

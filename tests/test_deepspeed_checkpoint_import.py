@@ -27,6 +27,10 @@ PEER_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
 BEFORE, AFTER = 3, 3
 RTOL = 1e-4
 STAGES = (1, 2, 3)
+#: DeepSpeed's CPU offload (its own CPU Adam) and bf16
+OTHER_RUNS = ("2:fp32:offload", "3:bf16")
+#: bf16 continues within bf16's rounding (8 bits of mantissa), not bit for bit
+BF16_RTOL = 2e-2
 
 
 def _peer_missing() -> str | None:
@@ -52,7 +56,7 @@ def deepspeed_run(tmp_path_factory) -> tuple[Path, dict]:
     if reason:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("deepspeed")
-    runs = ",".join(f"{s}:fp32" for s in STAGES)
+    runs = ",".join([f"{s}:fp32" for s in STAGES] + list(OTHER_RUNS))
     proc = subprocess.run(
         [str(PEER_PYTHON), str(HERE / "deepspeed_peer_run.py"), "--out", str(root), "--runs", runs,
          "--before", str(BEFORE), "--after", str(AFTER)],
@@ -64,27 +68,27 @@ def deepspeed_run(tmp_path_factory) -> tuple[Path, dict]:
     return root, json.loads((root / "results.json").read_text())
 
 
-def continue_runs(runs: list[tuple[str, int]]) -> list[dict]:
-    """Rank function: for every ``(deepspeed_dir, zkit_stage)`` load the DeepSpeed checkpoint into a
-    fresh engine and train ``AFTER`` more steps; the global-batch losses and what was restored."""
+def continue_runs(runs: list[tuple[str, int, str]]) -> list[dict]:
+    """Rank function: for every ``(deepspeed_dir, zkit_stage, dtype)`` load the DeepSpeed checkpoint
+    into a fresh engine and train ``AFTER`` more steps; the global-batch losses and what was restored."""
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     out = []
-    for path, stage in runs:
+    for path, stage, dtype in runs:
         model = PeerNet()
         with torch.no_grad():  # the loaded checkpoint must overwrite every value
             for p in model.parameters():
                 p.fill_(0.5)
-        engine, *_ = zkit.initialize(model=model, config=ds_config(stage, world))
+        engine, *_ = zkit.initialize(model=model, config=ds_config(stage, world, dtype))
         loaded, client = engine.load_checkpoint(path)
         restored = {"steps": engine.global_steps, "samples": engine.global_samples, "lr": engine.get_lr()[0],
                     "epoch": client.get("epoch"), "note": client.get("note"), "loaded": loaded}
         losses = []
         for k in range(BEFORE, BEFORE + AFTER):
             x, y = batch(k, rank, world)
-            loss = engine(x, y)
+            loss = engine(x.to(engine.dtype), y.to(engine.dtype))
             engine.backward(loss)
             engine.step()
-            mean = loss.detach().clone()
+            mean = loss.detach().float()
             torch.distributed.all_reduce(mean)
             losses.append(mean.item() / world)
         engine.close()
@@ -92,24 +96,39 @@ def continue_runs(runs: list[tuple[str, int]]) -> list[dict]:
     return out
 
 
-def _expect_same(got: list[float], want: list[float], what: str) -> None:
+def _expect_same(got: list[float], want: list[float], what: str, rtol: float = RTOL) -> None:
     for k, (g, w) in enumerate(zip(got, want, strict=True)):
-        assert abs(g - w) <= RTOL * abs(w), f"{what}: step {BEFORE + k} loss {g!r}, DeepSpeed's {w!r}\n{got}\n{want}"
+        assert abs(g - w) <= rtol * abs(w), f"{what}: step {BEFORE + k} loss {g!r}, DeepSpeed's {w!r}\n{got}\n{want}"
 
 
 @pytest.mark.parametrize("world", [2, 1])
 def test_zkit_continues_deepspeed_runs(deepspeed_run, world):
     """Every ZeRO stage's checkpoint, at the same stage and at the next one, on 2 ranks and on 1."""
     root, reference = deepspeed_run
-    runs = [(str(root / f"{s}-fp32"), z) for s in STAGES for z in (s, s % 3 + 1)]
+    runs = [(str(root / f"{s}-fp32"), z, "fp32") for s in STAGES for z in (s, s % 3 + 1)]
     results = run_ranks(continue_runs, world, args=(runs,), timeout=300)[0]
-    for (path, stage), got in zip(runs, results):
+    for (path, stage, _), got in zip(runs, results):
         name = Path(path).name
         what = f"DeepSpeed {name} -> zkit stage {stage} on {world} rank(s)"
         _expect_same(got["losses"], reference[name]["after"], what)
         assert (got["steps"], got["samples"]) == (BEFORE, BEFORE * 8), what
         assert (got["epoch"], got["note"]) == (3, "peer"), what
         assert got["loaded"].endswith(f"global_step{BEFORE}"), what
+
+
+
+def test_zkit_continues_offloaded_and_bf16_deepspeed_runs(deepspeed_run):
+    """DeepSpeed's CPU-offload checkpoint (its CPU Adam keeps an integer step) into stages 2 and 1;
+    its bf16 stage-3 checkpoint into zkit bf16 at stage 3 and fp32 at stage 2."""
+    root, reference = deepspeed_run
+    runs = [(str(root / "2-fp32-offload"), 2, "fp32"), (str(root / "2-fp32-offload"), 1, "fp32"),
+            (str(root / "3-bf16"), 3, "bf16"), (str(root / "3-bf16"), 2, "fp32")]
+    results = run_ranks(continue_runs, 2, args=(runs,), timeout=300)[0]
+    for (path, stage, dtype), got in zip(runs, results):
+        name = Path(path).name
+        rtol = BF16_RTOL if "bf16" in (name, dtype) or "bf16" in name else RTOL
+        _expect_same(got["losses"], reference[name]["after"], f"DeepSpeed {name} -> zkit stage {stage} {dtype}", rtol)
+        assert got["steps"] == BEFORE
 
 
 # -- bad input: without DeepSpeed ----------------------------------------------------------------------
