@@ -27,6 +27,7 @@ from zkit.plugins import ZkitPluginManager, get_plugin_manager
 from zkit.precision import LossScaler, cast_model
 from zkit.records import OptimizerRecord
 from zkit.stack import Stack, configure
+from zkit.stash import Stash
 
 log = logging.getLogger("zkit")
 
@@ -103,6 +104,8 @@ class Engine(torch.nn.Module):
         super().__init__()
         distributed.ensure_initialized()
         self.pm: ZkitPluginManager = get_plugin_manager(extra_plugins=stack.plugins)
+        #: plugins' per-engine state (``engine.stash[key]``, see :mod:`zkit.stash`)
+        self.stash = Stash()
         # A model that brings its own data-parallel group (a pipeline stage's replicas) trains over
         # that group: batch arithmetic and the partitioner's collectives use it, not the world.
         dp_group = getattr(model, "data_parallel_group", None)
@@ -261,6 +264,28 @@ class Engine(torch.nn.Module):
     @property
     def loss_scale(self) -> float:
         return self.loss_scaler.scale
+
+    def train_state_dict(self) -> dict[str, Any]:
+        """Where training stands: the micro-step, step, sample and skipped-step counters and the
+        loss scaler. Checkpoints store it; ``state_dict()`` stays the module's (as DeepSpeed's)."""
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
+
+    def load_train_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`train_state_dict`."""
+        missing = sorted({"micro_steps", "global_steps", "global_samples", "skipped_steps", "loss_scaler"} - set(state))
+        if missing:
+            raise KeyError(f"load_train_state_dict: the state has no {', '.join(missing)}")
+        self.micro_steps = int(state["micro_steps"])
+        self.global_steps = int(state["global_steps"])
+        self.global_samples = int(state["global_samples"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Collective kind -> ``{"calls", "bytes"}`` sent by this rank since start (or reset)."""

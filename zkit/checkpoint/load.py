@@ -168,11 +168,7 @@ def load_checkpoint(
         engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
     if mine is not None:
         rng.restore(mine["rng"])  # same world size: training continues bit for bit
-    engine.global_steps = meta["global_steps"]
-    engine.micro_steps = meta["micro_steps"]
-    engine.global_samples = meta["global_samples"]
-    engine.skipped_steps = meta["skipped_steps"]
-    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    engine.load_train_state_dict(meta)  # the counters and the loss scaler
     plugin_state = (mine or first).get("plugins", {})
     engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)
     engine.partitioner.after_load()

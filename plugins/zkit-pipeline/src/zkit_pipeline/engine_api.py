@@ -15,9 +15,13 @@ from typing import Any, Iterable
 
 import torch
 
+from zkit.stash import StashKey
 from zkit_pipeline.grid_norm import install_grid_norm, replication_weights
 from zkit_pipeline.module import PipelineModule
 from zkit_pipeline.tensor_parallel.module import TensorParallelModule
+
+#: the engine's pipeline runner (built at setup: its construction is collective)
+RUNNER: StashKey[Any] = StashKey()
 
 
 def setup(engine: Any) -> None:
@@ -36,7 +40,7 @@ def setup(engine: Any) -> None:
 
 def runner(engine: Any) -> Any:
     """The engine's :class:`~zkit_pipeline.interpreter.PipelineRunner`, built on first use."""
-    existing = getattr(engine, "_zkit_pipeline_runner", None)
+    existing = engine.stash.get(RUNNER, None)
     if existing is not None:
         return existing
     from zkit_pipeline.interpreter import PipelineRunner
@@ -46,7 +50,7 @@ def runner(engine: Any) -> Any:
     record = engine.pm.lookup("scheduler", name)
     if record.kind != "step":
         raise ValueError(f"PipelineModule: schedule {name!r} is a {record.kind} scheduler, not a pipeline (step) schedule")
-    engine._zkit_pipeline_runner = PipelineRunner(
+    engine.stash[RUNNER] = PipelineRunner(
         module,
         record.factory,
         engine.gradient_accumulation_steps(),
@@ -55,7 +59,7 @@ def runner(engine: Any) -> Any:
         loss_scale=lambda: float(engine.loss_scale),
         comm=getattr(engine, "world_comm", None),
     )
-    return engine._zkit_pipeline_runner
+    return engine.stash[RUNNER]
 
 
 def train_batch(engine: Any, data_iter: Iterable[Any]) -> torch.Tensor:
