@@ -1,0 +1,1 @@
+"""``deepspeed.launcher``: DeepSpeed's launcher names (see :mod:`.runner`)."""
