@@ -8,8 +8,14 @@ PACKAGES := -e ".[test]" -e plugins/zkit-offload -e plugins/zkit-onebit -e plugi
             -e plugins/zkit-sparse -e "cuda_numba[ptx]" -e plugins/zkit-deepspeed
 NPROC ?= 2
 STEPS ?= 200
+# The real DeepSpeed, in its own environment: tests compare against it and import its checkpoints
+# (they are skipped with a reason when it is missing).
+PEERS_VENV ?= .venv-peers
+PEERS_STAMP := $(PEERS_VENV)/.installed
+PEER_PACKAGES := deepspeed==0.19.8 ninja py-cpuinfo psutil hjson pydantic msgpack einops transformers \
+                 accelerate safetensors
 
-.PHONY: setup demo test clean
+.PHONY: setup peers demo test clean
 
 $(STAMP): pyproject.toml constraints.txt plugins/*/pyproject.toml cuda_numba/pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,12 +26,20 @@ $(STAMP): pyproject.toml constraints.txt plugins/*/pyproject.toml cuda_numba/pyp
 
 setup: $(STAMP)
 
+$(PEERS_STAMP): constraints.txt
+	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
+	$(PEERS_VENV)/bin/python -m pip install -q -c constraints.txt $(PEER_PACKAGES)
+	touch $(PEERS_STAMP)
+
+peers: $(PEERS_STAMP)
+
 demo: $(STAMP)
 	$(BIN)/zkit run --nproc $(NPROC) contrib/examples/train_gpt.py \
 		--config contrib/examples/configs/gpt_zero0.json --steps $(STEPS)
 
-test: $(STAMP)
+test: $(STAMP) $(PEERS_STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(PEERS_VENV) runs .pytest_cache

@@ -6,7 +6,8 @@ for importing DeepSpeed checkpoints. Runs in DeepSpeed's interpreter (``.venv-pe
 For every run ``STAGE:DTYPE[:offload]`` it trains ``--before`` steps on ``--world`` gloo ranks,
 saves ``DIR/<run>/`` with ``engine.save_checkpoint``, trains ``--after`` more steps and records
 every step's loss averaged over the ranks (the global batch's mean loss). ``DIR/results.json``
-maps each run to ``{"before": [...], "after": [...]}``.
+maps each run to ``{"before": [...], "after": [...]}``; ``DIR/<run>.zero_to_fp32.pt`` is the
+state dict DeepSpeed's ``zero_to_fp32`` consolidates from the checkpoint.
 """
 from __future__ import annotations
 
@@ -52,6 +53,12 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         before = [step(k) for k in range(args.before)]
         name = run.replace(":", "-")
         engine.save_checkpoint(os.path.join(args.out, name), client_state={"epoch": 3, "note": "peer"})
+        if rank == 0:  # DeepSpeed's own consolidation, for comparison
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            state = get_fp32_state_dict_from_zero_checkpoint(os.path.join(args.out, name))
+            torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args.out, f"{name}.zero_to_fp32.pt"))
+        dist.barrier()
         after = [step(k) for k in range(args.before, args.before + args.after)]
         results[name] = {"before": before, "after": after}
         engine.destroy()

@@ -131,6 +131,28 @@ def test_zkit_continues_offloaded_and_bf16_deepspeed_runs(deepspeed_run):
         assert got["steps"] == BEFORE
 
 
+
+@pytest.mark.parametrize("run", [f"{s}-fp32" for s in STAGES] + ["2-fp32-offload", "3-bf16"])
+def test_consolidate_equals_deepspeeds_zero_to_fp32(deepspeed_run, run, tmp_path, capsys):
+    """``zkit consolidate`` on a DeepSpeed directory writes what DeepSpeed's ``zero_to_fp32``
+    consolidates, bit for bit (safetensors and .pt), every buffer included."""
+    import safetensors.torch
+
+    from zkit.cli import main as cli_main
+
+    root, _ = deepspeed_run
+    want = torch.load(root / f"{run}.zero_to_fp32.pt", weights_only=True)
+    assert cli_main(["consolidate", str(root / run), str(tmp_path / "model.safetensors")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    got = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert list(got) == list(PeerNet().state_dict())
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor.float()), name
+    assert cli_main(["consolidate", str(root / run / "global_step3"), str(tmp_path / "model.pt"), "--dtype", "bf16"]) == 0
+    half = torch.load(tmp_path / "model.pt", weights_only=True)
+    assert all(torch.equal(half[n], want[n].to(torch.bfloat16)) for n in want)
+
+
 # -- bad input: without DeepSpeed ----------------------------------------------------------------------
 
 class _RunsCode:

@@ -38,6 +38,7 @@ import attrs
 import torch
 
 from zkit.checkpoint.digest import Digest, verify_tensor
+from zkit.checkpoint.deepspeed.layout import looks_like_deepspeed
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import META, load_rank_file, rank_file, read_meta, resolve_tag
 
@@ -132,7 +133,8 @@ def write_consolidated(
         )
 
     where = _checkpoint_directory(Path(checkpoint_dir), tag)
-    meta = read_meta(where)
+    files = _source(where)
+    meta = files.meta
     if "parts" in meta:
         raise CheckpointError(
             f"{where}: the checkpoint holds a model split into model-parallel parts ({', '.join(meta['parts'])}); "
@@ -140,7 +142,7 @@ def write_consolidated(
         )
     sources = _piece_sources(meta, where)
     # Only the extras' shapes and dtypes now; their bytes are read (mapped again) when written.
-    first = _module_extras(load_rank_file(where / rank_file(0)), where)
+    first = files.extras()
     extras = {name: (tuple(t.shape), t.dtype) for name, t in first.items()}
     del first
     entries = _entries(meta, extras, DTYPES[dtype_name], where)
@@ -154,7 +156,7 @@ def write_consolidated(
         else:
             offsets = _torch_layout(tmp, entries)
         # Damaged bytes are refused before the output replaces anything (the staging goes).
-        _fill(tmp, entries, offsets, sources, where, meta.get("checksums") if meta.get("version", 1) >= 2 else None)
+        _fill(tmp, entries, offsets, sources, files, meta.get("checksums") if meta.get("version", 1) >= 2 else None)
         os.replace(tmp, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -171,9 +173,58 @@ def write_consolidated(
 
 
 def _checkpoint_directory(root: Path, tag: str | None) -> Path:
-    if tag is None and (root / META).is_file():
+    if tag is None and ((root / META).is_file() or looks_like_deepspeed(root)):
         return root  # a tag directory itself
     return root / resolve_tag(root, tag)
+
+
+class _RankFiles:
+    """A zkit checkpoint's rank files as the source of pieces; the extras are in rank 0's file."""
+
+    def __init__(self, where: Path) -> None:
+        self.where = where
+        self.meta = read_meta(where)
+        self.extras_file = rank_file(0)
+
+    def pieces(self, fname: str) -> list[dict[str, Any]]:
+        data = load_rank_file(self.where / fname)
+        pieces = data.get("pieces") if isinstance(data, dict) else None
+        if not isinstance(pieces, list):
+            raise CheckpointError(f"{self.where / fname}: checkpoint shard has no 'pieces' list")
+        return pieces
+
+    def extras(self) -> dict[str, torch.Tensor]:
+        return _module_extras(load_rank_file(self.where / rank_file(0)), self.where)
+
+
+class _DeepSpeedFiles:
+    """A DeepSpeed checkpoint's optimizer files as the source of pieces (fp32 masters, no optimizer
+    state); the extras (buffers, frozen parameters) are in its model file."""
+
+    def __init__(self, where: Path) -> None:
+        from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+
+        self.where = where
+        self.ckpt = DeepSpeedCheckpoint(where)
+        self.extras_file = self.ckpt.layout.model_files[0].name
+        self.meta = {
+            "params": {n: list(shape) for n, shape in self.ckpt.params.items()},
+            "index": self.ckpt.index,
+            "state_dict_keys": self.ckpt.state_dict_keys(),
+            "aliases": self.ckpt.aliases,
+        }
+
+    def pieces(self, fname: str) -> list[dict[str, Any]]:
+        return self.ckpt.pieces(fname, with_state=False)
+
+    def extras(self) -> dict[str, torch.Tensor]:
+        return self.ckpt.module_extras()
+
+
+def _source(where: Path) -> _RankFiles | _DeepSpeedFiles:
+    if not (where / META).is_file() and looks_like_deepspeed(where):
+        return _DeepSpeedFiles(where)
+    return _RankFiles(where)
 
 
 def _piece_sources(meta: dict[str, Any], where: Path) -> dict[str, list[tuple[str, int, int]]]:
@@ -334,8 +385,9 @@ class _Shards:
     were read from it (its resident pages go with the old mapping) and closed after its last use.
     Callers hold a returned tensor only while writing one chunk, so a re-map does unmap."""
 
-    def __init__(self, where: Path, uses: Counter[str], checksums: dict[str, dict[str, str]] | None) -> None:
-        self.where = where
+    def __init__(self, files: _RankFiles | _DeepSpeedFiles, uses: Counter[str], checksums: dict[str, dict[str, str]] | None) -> None:
+        self.files = files
+        self.where = files.where
         self.checksums = checksums
         self.paths: dict[str, dict[tuple[str, int, int], str]] = {}
         self.left = uses
@@ -344,12 +396,8 @@ class _Shards:
 
     def _load(self, fname: str) -> tuple[dict[tuple[str, int, int], torch.Tensor], dict[str, torch.Tensor]]:
         if fname not in self.open:
-            path = self.where / fname
-            data = load_rank_file(path)
-            pieces = data.get("pieces") if isinstance(data, dict) else None
-            if not isinstance(pieces, list):
-                raise CheckpointError(f"{path}: checkpoint shard has no 'pieces' list")
-            extras = _module_extras(data, self.where) if fname == rank_file(0) else {}
+            pieces = self.files.pieces(fname) if fname in self.files.meta["index"] else []
+            extras = self.files.extras() if fname == self.files.extras_file else {}
             self.open[fname] = ({(p["name"], p["start"], p["end"]): p["master"] for p in pieces}, extras)
             self.paths[fname] = {(p["name"], p["start"], p["end"]): f"pieces/{i}/master" for i, p in enumerate(pieces)}
             self.read[fname] = 0
@@ -372,7 +420,7 @@ class _Shards:
 
     def extra(self, name: str) -> torch.Tensor:
         """A buffer or frozen parameter from rank 0's file, flat."""
-        return self._load(rank_file(0))[1][name].reshape(-1)
+        return self._load(self.files.extras_file)[1][name].reshape(-1)
 
     def digest(self) -> Digest | None:
         """A digest to feed one tensor's chunks to, or None for a checkpoint without checksums."""
@@ -402,19 +450,19 @@ def _fill(
     entries: list[_Entry],
     offsets: dict[str, int],
     sources: dict[str, list[tuple[str, int, int]]],
-    where: Path,
+    files: _RankFiles | _DeepSpeedFiles,
     checksums: dict[str, dict[str, str]] | None,
 ) -> None:
     # An alias sharing its canonical tensor's storage (.pt) has its offset: written once.
     writes = list({(offsets[e.name], e.canonical): e for e in entries}.values())
     uses = Counter(f for e in writes if e.is_param for f, _, _ in sources[e.canonical])
-    uses[rank_file(0)] += sum(not e.is_param for e in writes)
-    shards = _Shards(where, uses, checksums)
+    uses[files.extras_file] += sum(not e.is_param for e in writes)
+    shards = _Shards(files, uses, checksums)
     fd = os.open(path, os.O_WRONLY)
     try:
         for e in writes:
             offset, size = offsets[e.name], e.dtype.itemsize
-            ranges = sources[e.canonical] if e.is_param else [(rank_file(0), 0, e.numel)]
+            ranges = sources[e.canonical] if e.is_param else [(files.extras_file, 0, e.numel)]
             for fname, start, end in ranges:
                 digest = shards.digest()  # fed the saved bytes as they stream past
                 for lo in range(start, end, CHUNK_ELEMENTS):

@@ -86,7 +86,7 @@ class DeepSpeedCheckpoint:
     def pieces(self, fname: str, *, with_state: bool = True) -> list[dict[str, Any]]:
         """The saved pieces of optimizer file ``fname`` (memory-mapped views)."""
         rank = [f.name for f in self.layout.optim_files].index(fname)
-        optim = self.first_optim if rank == 0 else self._optimizer(rank)
+        optim = self._optimizer(rank)  # mapped afresh: dropping the pieces unmaps what they touched
         path = self.layout.optim_files[rank]
         if self.stage == 3:
             return stage3.pieces(self._slices, rank, optim, with_state, path)
@@ -94,18 +94,19 @@ class DeepSpeedCheckpoint:
 
     # -- the rest of the model ------------------------------------------------------------------------
     def module_extras(self) -> dict[str, torch.Tensor]:
-        """Buffers and frozen parameters (whole), by name."""
-        module = self.model_state.get("module") or {}
-        names = list(self.model_state.get("buffer_names") or [])
+        """Buffers and frozen parameters (whole), by name (the model file mapped afresh)."""
+        state = self._dict(self.layout.model_files[0])
+        module = state.get("module") or {}
+        names = list(state.get("buffer_names") or [])
         out = {n: module[n] for n in names if n in module}
-        frozen = self.model_state.get("frozen_param_shapes") or {}
+        frozen = state.get("frozen_param_shapes") or {}
         if frozen and self.stage == 3:  # partitioned like the trainable ones, one fragment per rank file
-            states = [self.model_state] + [self._dict(p) for p in self.layout.model_files[1:]]
+            states = [state] + [self._dict(p) for p in self.layout.model_files[1:]]
             for name, shape in frozen.items():
                 flat = torch.cat([s["frozen_param_fragments"][name].reshape(-1) for s in states])
                 out[name] = flat[: math.prod(shape)].view(tuple(shape))
         else:
-            fragments = self.model_state.get("frozen_param_fragments") or {}
+            fragments = state.get("frozen_param_fragments") or {}
             for name in frozen:
                 out[name] = fragments[name] if name in fragments else module[name]
         if not frozen:  # older saves: frozen parameters only in the module state dict
