@@ -47,4 +47,19 @@ def __getattr__(name: str):
         from zkit.stack import Stack
 
         return Stack
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"zkit.{name}")
+    if name in _DEEPSPEED_NAMES:
+        # ``import zkit as deepspeed``: DeepSpeed's top-level names, from the compatibility layer
+        import zkit.compat.deepspeed as compat
+
+        return getattr(compat, name)
     raise AttributeError(f"module 'zkit' has no attribute {name!r}")
+
+
+#: submodules reached as attributes (``deepspeed.comm.get_rank()`` after ``import zkit as deepspeed``)
+_SUBMODULES = ("accelerator", "checkpointing", "comm", "zero")
+_DEEPSPEED_NAMES = ("DeepSpeedConfig", "DeepSpeedEngine", "add_config_arguments", "get_accelerator",
+                    "init_distributed", "init_inference", "log_dist", "logger", "ops", "runtime", "utils")

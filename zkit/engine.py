@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import os
 import time
 from typing import Any, Iterable, Iterator
 
@@ -159,6 +160,7 @@ class Engine(torch.nn.Module):
         self._step_applied = False
         self._grad_norm: float | None = None
         self._no_sync = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._losses: list[torch.Tensor] = []
         self._step_started = time.perf_counter()
         self.tokens_per_sample: int | None = None  # set it to log tokens/s
@@ -250,7 +252,56 @@ class Engine(torch.nn.Module):
         return self.config.train_batch_size
 
     def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step ends a global batch: from the micro-step counter, unless a
+        training loop that counts micro-batches itself said so (:meth:`set_gradient_accumulation_boundary`)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the coming backward and ``step()`` end a global batch (Accelerate and
+        Hugging Face's Trainer count micro-batches themselves and call ``step()`` only at their
+        boundary); once called, it decides instead of the engine's micro-step counter."""
+        self._boundary_override = bool(is_boundary)
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the whole job."""
+        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its node (the launcher's ``LOCAL_RANK``)."""
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    @property
+    def dp_world_size(self) -> int:
+        """The number of data-parallel replicas."""
+        return self.world_size
+
+    @property
+    def mp_world_size(self) -> int:
+        """The ranks one replica spans (pipeline x tensor parallel; 1 without model parallelism)."""
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        return world // self.world_size
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    def zero_optimization(self) -> bool:
+        return self.zero_optimization_stage() > 0
+
+    def fp16_enabled(self) -> bool:
+        return bool(self.config.fp16.enabled)
+
+    def bfloat16_enabled(self) -> bool:
+        return bool(self.config.bf16.enabled)
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]

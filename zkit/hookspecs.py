@@ -65,7 +65,7 @@ def zkit_register_partitioners() -> Iterable[PartitionerRecord]:
 @hookspec
 def zkit_register_communicators() -> Iterable[CommunicatorRecord]:
     """Yield :class:`~zkit.records.CommunicatorRecord` s: implementations of
-    :class:`zkit.comm.Communicator` (all-reduce, reduce-scatter, all-gather, all-to-all,
+    :class:`zkit.communicator.Communicator` (all-reduce, reduce-scatter, all-gather, all-to-all,
     broadcast, point-to-point) with byte counters. The default is ``"torch"``
     (torch.distributed). Example::
 

@@ -29,7 +29,7 @@ import torch
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.alloc import Allocator
-    from zkit.comm import Communicator
+    from zkit.communicator import Communicator
     from zkit.config import ZkitConfig
     from zkit.records import OptimizerRecord
 

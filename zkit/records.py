@@ -57,7 +57,7 @@ class PartitionerRecord(Record):
 class CommunicatorRecord(Record):
     """Collectives between ranks.
 
-    ``factory(group, config) -> zkit.comm.Communicator`` where ``group`` is a
+    ``factory(group, config) -> zkit.communicator.Communicator`` where ``group`` is a
     ``torch.distributed`` process group (``None`` = the default group).
     """
 

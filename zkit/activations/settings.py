@@ -7,7 +7,7 @@ import attrs
 import torch
 
 from zkit.alloc import Allocator
-from zkit.comm import Communicator
+from zkit.communicator import Communicator
 from zkit.config.sections import ActivationCheckpointingConfig
 
 

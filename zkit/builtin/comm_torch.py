@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 import zkit
 from zkit import diagnostics
-from zkit.comm import Communicator, DoneHandle, check_op
+from zkit.communicator import Communicator, DoneHandle, check_op
 from zkit.records import CommunicatorRecord
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.

@@ -76,7 +76,13 @@ def _common(owner: str, p: dict[str, Any], lr_default: float) -> dict[str, Any]:
     }
 
 
-def _adam(name: str, param_groups: list, params: dict[str, Any]) -> torch.optim.Optimizer:
+def adam_settings(name: str, params: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """What a config's ``"Adam"``/``"AdamW"`` (``name`` ``"adam"``/``"adamw"``) asks for, checked
+    with DeepSpeed's names and defaults: ``(decoupled, kwargs)`` where ``decoupled`` is AdamW's
+    decay (``adam_w_mode``, default true) and ``kwargs`` are ``lr``, ``weight_decay`` (default
+    0), ``maximize``, ``betas``, ``eps``, ``amsgrad`` and the ``fused``/``foreach`` choice as
+    given (``None`` when not). Every implementation of these types (torch's here, a CPU-offload
+    optimizer elsewhere) reads them from here, so one config computes the same thing on each."""
     owner = f"optimizer {name!r}"
     check.check_known("optimizer", name, params, _ADAM_KEYS)
     p = dict(params)
@@ -93,7 +99,14 @@ def _adam(name: str, param_groups: list, params: dict[str, Any]) -> torch.optim.
     kwargs["betas"] = check.betas(owner, p.pop("betas", (0.9, 0.999)))
     kwargs["eps"] = check.number(owner, "eps", p.pop("eps", 1e-8), low=0.0)
     kwargs["amsgrad"] = check.boolean(owner, "amsgrad", p.pop("amsgrad", False))
-    kwargs.update(_implementation(owner, param_groups, p))
+    kwargs["fused"], kwargs["foreach"] = p.pop("fused", None), p.pop("foreach", None)
+    return w_mode, kwargs
+
+
+def _adam(name: str, param_groups: list, params: dict[str, Any]) -> torch.optim.Optimizer:
+    w_mode, kwargs = adam_settings(name, params)
+    given = {k: kwargs.pop(k) for k in ("fused", "foreach") if kwargs[k] is not None}
+    kwargs.update(_implementation(f"optimizer {name!r}", param_groups, given))
     cls = torch.optim.AdamW if w_mode else torch.optim.Adam
     return cls(param_groups, **kwargs)
 

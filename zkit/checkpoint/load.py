@@ -92,14 +92,18 @@ def fill_pieces(
     read: Callable[[str], list[dict[str, Any]]],
     where: Path,
     with_state: bool,
-) -> None:
+) -> list["Piece"]:
     """Fill every piece this rank owns (its fp32 master values and, ``with_state``, its
     optimizer state) from saved pieces. ``index`` maps each file to the ``(name, start, end)``
     ranges it holds; ``read(file)`` returns the file's saved pieces (dicts with ``name``,
     ``start``, ``end``, ``master`` and ``state``). Only files holding ranges this rank owns are
-    read; a piece left partly uncovered is an error."""
+    read; a piece left partly uncovered is an error.
+
+    Returns the filled pieces: the caller keeps them until ``partitioner.after_load()``, which
+    stores masters that live outside the parameters (an offload store) from these very copies."""
+    pieces = engine.partitioner.pieces()
     fillers: dict[str, list[_Filler]] = {}
-    for piece in engine.partitioner.pieces():
+    for piece in pieces:
         fillers.setdefault(piece.name, []).append(_Filler(piece, engine, with_state))
     for fname, entries in index.items():
         if not any(
@@ -114,6 +118,7 @@ def fill_pieces(
     for group in fillers.values():
         for f in group:
             f.finish()
+    return pieces
 
 
 def load_checkpoint(
@@ -152,7 +157,7 @@ def load_checkpoint(
             kept[fname] = data
         return data
 
-    fill_pieces(engine, meta["index"], lambda fname: read(fname)["pieces"], where, load_optimizer_states)
+    filled = fill_pieces(engine, meta["index"], lambda fname: read(fname)["pieces"], where, load_optimizer_states)
 
     first = read(rank_file(0))
     mine = first if engine.rank == 0 else None
@@ -172,6 +177,7 @@ def load_checkpoint(
     plugin_state = (mine or first).get("plugins", {})
     engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)
     engine.partitioner.after_load()
+    del filled  # after_load has stored them
     getattr(engine, "world_comm", engine.comm).barrier()
     return str(root / tag), first.get("client_state", {})
 

@@ -12,7 +12,7 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 from zkit import diagnostics
-from zkit.comm import Handle
+from zkit.communicator import Handle
 
 
 class GradientBucketer:

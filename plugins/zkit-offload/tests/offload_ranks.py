@@ -295,3 +295,34 @@ def check_resumes_and_reshards(runs: tuple, case) -> None:
     assert one[case]["steps"] == 2
     assert max_diff(one[case]["params"], full[0][case]["params"]) < 1e-5
     assert list(nvme.iterdir()) == []
+
+
+#: optimizer sections whose meaning must not change with offload_optimizer (DeepSpeed's defaults:
+#: "Adam" is AdamW unless adam_w_mode is false; weight_decay defaults to 0)
+SAME_OPTIMIZER_CASES = {
+    "Adam": {"type": "Adam", "params": {"lr": 0.02, "weight_decay": 0.1}},
+    "Adam-l2": {"type": "Adam", "params": {"lr": 0.02, "weight_decay": 0.1, "adam_w_mode": False}},
+    "AdamW": {"type": "AdamW", "params": {"lr": 0.02, "weight_decay": 0.1}},
+    "AdamW-default-decay": {"type": "AdamW", "params": {"lr": 0.02}},
+    "adamw-lower-case": {"type": "adamw", "params": {"lr": 0.02, "betas": [0.8, 0.99], "eps": 1e-6}},
+}
+#: optimizer types that name the CPU Adam itself: the same result as DeepSpeed's default (AdamW)
+CPU_ADAM_CASES = {
+    "DeepSpeedCPUAdam": {"type": "DeepSpeedCPUAdam", "params": {"lr": 0.02, "weight_decay": 0.1}},
+    "cpu_adam-adamw_mode-false": {"type": "cpu_adam", "params": {"lr": 0.02, "weight_decay": 0.1,
+                                                                 "adamw_mode": False}},
+}
+
+
+def same_optimizer_with_and_without_offload(stage: int) -> dict:
+    """Final parameters of each optimizer section, trained without and with offload_optimizer."""
+    world = torch.distributed.get_world_size()
+    out = {}
+    for name, section in {**SAME_OPTIMIZER_CASES, **CPU_ADAM_CASES}.items():
+        for device in ("none", "cpu"):
+            cfg = config(stage, "fp32", world, device, optimizer=section)
+            engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+            train(engine, 3, 2)
+            out[(name, device)] = params_of(engine)
+            engine.close()
+    return out

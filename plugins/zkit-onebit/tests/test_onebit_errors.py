@@ -7,7 +7,7 @@ import warnings
 import pytest
 import torch
 
-from zkit.comm import Communicator
+from zkit.communicator import Communicator
 from zkit.plugins import PluginError, get_plugin_manager
 from zkit_onebit.adam import OneBitAdam, make_onebit_adam
 from zkit_onebit.communicator import OneBitCommunicator

@@ -40,7 +40,7 @@ def load_deepspeed_checkpoint(
         )
     ckpt = DeepSpeedCheckpoint(where)
     _check_params({"params": {n: list(s) for n, s in ckpt.params.items()}}, engine, where)
-    fill_pieces(engine, ckpt.index, lambda fname: ckpt.pieces(fname, with_state=load_optimizer_states),
+    filled = fill_pieces(engine, ckpt.index, lambda fname: ckpt.pieces(fname, with_state=load_optimizer_states),
                 where, load_optimizer_states)
     extras = {n: t for n, t in ckpt.module_extras().items() if n in _extra_names(engine)}
     _load_module_extras(engine.module, extras, where)
@@ -56,6 +56,7 @@ def load_deepspeed_checkpoint(
     if engine.loss_scaler.dynamic:
         engine.loss_scaler.load_state_dict(ckpt.loss_scaler())
     engine.partitioner.after_load()
+    del filled  # after_load has stored them
     getattr(engine, "world_comm", engine.comm).barrier()
     if engine.rank == 0:
         log.info(

@@ -109,7 +109,7 @@ def slice_state(state: dict[str, Any], offset: int, numel: int) -> dict[str, Any
         if torch.is_tensor(value) and value.dim() > 0:
             out[key] = value.detach().reshape(-1)[offset:offset + numel]
         elif key == "step":
-            out[key] = torch.tensor(float(value), dtype=torch.float32)
+            out[key] = torch.tensor(float(value), dtype=torch.float32, device="cpu")
         else:
             out[key] = value
     return out

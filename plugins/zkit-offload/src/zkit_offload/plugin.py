@@ -18,19 +18,35 @@ CPU_OPTIMIZER_FOR = {"adam": "cpu_adam", "adamw": "cpu_adamw", "adagrad": "cpu_a
                      "cpu_lion": "cpu_lion", "deepspeedcpuadam": "cpu_adam"}
 
 
-def _cpu_adam(param_groups, **params):
-    from zkit_offload.cpu_adam import CPUAdam
+def _offloaded_adam(kind: str, param_groups, params: dict[str, Any]):
+    """The CPU Adam for a config's ``kind`` (``"adam"``/``"adamw"``): the same settings and
+    defaults as without offload (``zkit.builtin.optim_torch.adam_settings``: ``"Adam"`` is AdamW
+    unless ``adam_w_mode`` is false; ``weight_decay`` defaults to 0), so offloading never changes
+    what the optimizer computes."""
+    from zkit.builtin.optim_torch import adam_settings
+    from zkit_offload.cpu_adam import CPUAdam, CPUAdamW
 
-    # DeepSpeed's spelling of the AdamW switch
-    if "adam_w_mode" in params:
-        params["adamw_mode"] = params.pop("adam_w_mode")
-    return CPUAdam(param_groups, **params)
+    params = dict(params)
+    backend = params.pop("backend", "auto")  # the CPU Adam's own key (numba or torch kernels)
+    decoupled, kwargs = adam_settings(kind, params)
+    kwargs.pop("fused"), kwargs.pop("foreach")  # torch's kernel choice: the CPU Adam is one fused pass anyway
+    if kwargs.pop("maximize"):
+        raise ValueError(f"optimizer {kind!r}: maximize=true is not supported with offload_optimizer "
+                         "(the CPU Adam minimises)")
+    if decoupled:
+        return CPUAdamW(param_groups, backend=backend, **kwargs)
+    return CPUAdam(param_groups, adamw_mode=False, backend=backend, **kwargs)
+
+
+def _cpu_adam(param_groups, **params):
+    # DeepSpeed's "DeepSpeedCPUAdam"/"cpu_adam" takes adamw_mode (default true) as well as adam_w_mode
+    if "adamw_mode" in params:
+        params["adam_w_mode"] = params.pop("adamw_mode")
+    return _offloaded_adam("adam", param_groups, params)
 
 
 def _cpu_adamw(param_groups, **params):
-    from zkit_offload.cpu_adam import CPUAdamW
-
-    return CPUAdamW(param_groups, **params)
+    return _offloaded_adam("adamw", param_groups, params)
 
 
 def _cpu_adagrad(param_groups, **params):

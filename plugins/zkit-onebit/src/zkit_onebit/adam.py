@@ -32,7 +32,7 @@ from typing import Any, Hashable, Iterable
 import torch
 import torch.distributed as dist
 
-from zkit.comm import Communicator
+from zkit.communicator import Communicator
 from zkit_onebit.collectives import compressed_all_reduce
 from zkit_onebit.communicator import OneBitCommunicator
 from zkit_onebit.compression import ChunkLayout, ErrorFeedback, LiveMask

@@ -20,7 +20,7 @@ from typing import Any, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from zkit.comm import Communicator, DoneHandle, check_op
+from zkit.communicator import Communicator, DoneHandle, check_op
 from zkit_onebit.collectives import compressed_all_reduce, compressed_reduce_scatter
 from zkit_onebit.compression import ChunkLayout, ErrorFeedback
 

@@ -53,6 +53,9 @@ class SparseAttentionConfig:
     #: zkit addition: extra parameters of a third-party layout registered with register_layout.
     params: dict[str, Any] = attrs.field(factory=dict)
 
+    def __attrs_post_init__(self) -> None:
+        self.layout_params()  # an unknown mode or a key the mode does not use fails here, at load
+
     def layout_params(self) -> dict[str, Any]:
         """The parameters set in this section, checked against the selected layout's signature."""
         cls = get_layout(self.mode)

@@ -18,6 +18,7 @@ def make_block_sparse_attention(
     sparsity_config: SparsityConfig | None = None,
     sparse_attention: SparseAttentionConfig | dict[str, Any] | None = None,
     num_heads: int | None = None,
+    head_dim: int | None = None,
     max_seq_length: int = 2048,
     causal: bool = True,
     dropout: float = 0.0,
@@ -29,8 +30,11 @@ def make_block_sparse_attention(
     (the config section, a dict or :class:`SparseAttentionConfig`) or as that section's keys
     directly (``mode="bigbird", block=64, ...``); the last two need ``num_heads``. ``causal``
     defaults to True like the dense attention, so switching ``dense`` <-> ``block_sparse`` keeps
-    a decoder causal.
+    a decoder causal. ``head_dim`` is part of the geometry every attention factory receives
+    (see :mod:`zkit.attention`); the block layout does not depend on it.
     """
+    if head_dim is not None and (type(head_dim) is not int or head_dim < 1):
+        raise ValueError(f"block_sparse attention: head_dim must be a positive int, got {head_dim!r}")
     module_kwargs = {k: kwargs.pop(k) for k in _MODULE_KEYS if k in kwargs}
     if sparsity_config is not None:
         if sparse_attention is not None or kwargs:

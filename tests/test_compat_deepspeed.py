@@ -1,0 +1,182 @@
+"""DeepSpeed's public names (zkit.compat.deepspeed; ``import zkit as deepspeed``): DeepSpeed's
+signatures and semantics, and clear refusals for what zkit does not do."""
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+import torch
+
+import compat_ranks
+import zkit
+import zkit.compat.deepspeed as deepspeed
+from zkit.testing import run_ranks
+
+
+def test_comm_is_torch_distributed_under_deepspeeds_names():
+    results = run_ranks(compat_ranks.comm_collectives, 2)
+    for r in results:
+        assert r["world"] == 2 and r["init"] and r["ranks"] == [0, 1]
+        assert r["sum"] == 3.0  # 1 + 2
+        assert r["gathered"] == [0.0, 1.0]
+        assert r["rs"] == 2 * r["rank"] + 1  # chunk r of (arange + 0) + (arange + 1)
+        assert r["bcast"] == 1.0
+        assert r["objs"] == [{"rank": 0}, {"rank": 1}]
+
+
+def test_a_deepspeedexamples_style_script_trains(tmp_path):
+    results = run_ranks(compat_ranks.script_with_args, 2, args=(str(tmp_path),))
+    for rank, r in enumerate(results):
+        assert r["stage"] == 2 and r["dp"] == 2 and r["rank"] == rank and r["local_rank"] == rank  # one node
+        assert len(r["losses"]) == 2
+
+
+def test_import_zkit_as_deepspeed_gives_the_names():
+    import zkit as ds
+
+    assert ds.comm.get_rank is zkit.comm.get_rank
+    assert ds.zero.Init is deepspeed.zero.Init and ds.zero.GatheredParameters is deepspeed.zero.GatheredParameters
+    assert ds.checkpointing.configure is deepspeed.checkpointing.configure
+    assert ds.init_distributed is deepspeed.init_distributed
+    assert ds.add_config_arguments is deepspeed.add_config_arguments
+    assert ds.DeepSpeedEngine is zkit.engine.Engine
+    assert ds.get_accelerator() is deepspeed.accelerator.get_accelerator()
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        ds.not_a_name
+
+
+def test_add_config_arguments_parses_deepspeeds_flags():
+    parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", "ds.json"])
+    assert args.deepspeed is True and args.deepspeed_config == "ds.json"
+    assert args.deepscale is False and args.deepscale_config is None
+    assert any(g.title == "DeepSpeed" for g in parser._action_groups)
+
+
+def test_initialize_refuses_a_config_given_twice_and_mesh_param(tmp_path):
+    args = argparse.Namespace(deepspeed_config=str(tmp_path / "a.json"))
+    with pytest.raises(ValueError, match="the config was given twice"):
+        deepspeed.initialize(args=args, model=torch.nn.Linear(2, 2), config={"train_batch_size": 1})
+    with pytest.raises(ValueError, match="mesh_param=.*not supported"):
+        deepspeed.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1}, mesh_param=(1, 1))
+
+
+def test_init_inference_is_refused_with_what_to_do():
+    with pytest.raises(NotImplementedError, match="init_inference is not supported.*without an optimizer"):
+        deepspeed.init_inference(torch.nn.Linear(2, 2))
+
+
+def test_accelerator_on_cpu():
+    acc = deepspeed.get_accelerator()
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the CPU accelerator is not the default")
+    assert acc.device_name() == "cpu" and acc.device_name(0) == "cpu" and acc.current_device_name() == "cpu"
+    assert acc.communication_backend_name() == "gloo" and acc.is_available()
+    assert acc.is_bf16_supported() and torch.bfloat16 in acc.supported_dtypes()
+    assert acc.memory_allocated() > 0  # host memory on the CPU accelerator, as DeepSpeed's
+    acc.synchronize(), acc.empty_cache()
+    acc.manual_seed(3)
+    a = torch.rand(2)
+    acc.manual_seed(3)
+    assert torch.equal(a, torch.rand(2))
+    t = acc.FloatTensor([1, 2])
+    assert t.dtype == torch.float32 and t.device.type == "cpu"
+    assert acc.LongTensor(3).shape == (3,)
+
+
+def test_accelerator_choice_is_checked(monkeypatch):
+    from zkit import accelerator
+
+    monkeypatch.setattr(accelerator, "_current", None)
+    monkeypatch.setenv("DS_ACCELERATOR", "xpu")
+    with pytest.raises(ValueError, match="accelerator 'xpu'.*not one zkit has: cuda, cpu"):
+        accelerator.get_accelerator()
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    assert accelerator.get_accelerator().device_name() == "cpu"
+
+
+def test_deepspeed_config_attributes(tmp_path):
+    cfg = deepspeed.DeepSpeedConfig({"train_batch_size": 8, "gradient_accumulation_steps": 2,
+                                     "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+                                     "optimizer": {"type": "AdamW", "params": {"lr": 0.1}}})
+    assert cfg.train_micro_batch_size_per_gpu == 4 and cfg.gradient_accumulation_steps == 2
+    assert cfg.zero_optimization_stage == 3 and cfg.zero_enabled and cfg.bfloat16_enabled and not cfg.fp16_enabled
+    assert cfg.optimizer_name == "adamw" and cfg.optimizer_params == {"lr": 0.1}
+    with pytest.raises(deepspeed.DeepSpeedConfigError, match="train_batch_sze"):
+        deepspeed.DeepSpeedConfig({"train_batch_size": 8, "train_batch_sze": 8})
+
+
+def _same_steps(make_ours, make_reference, shape: tuple[int, int], rtol: float) -> None:
+    torch.manual_seed(0)
+    p1 = torch.nn.Parameter(torch.randn(*shape))
+    p2 = torch.nn.Parameter(p1.detach().clone())
+    o1, o2 = make_ours([p1]), make_reference([p2])
+    for _ in range(3):
+        g = torch.randn(*shape)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        o1.step(), o2.step()
+    torch.testing.assert_close(p1, p2, rtol=rtol, atol=rtol / 10)
+
+
+def test_fused_adam_is_adamw_by_default_and_adam_with_adam_w_mode_false():
+    from zkit.compat.deepspeed.ops.adam import FusedAdam
+
+    for adam_w_mode, reference in ((True, torch.optim.AdamW), (False, torch.optim.Adam)):
+        _same_steps(lambda p: FusedAdam(p, lr=0.1, weight_decay=0.2, adam_w_mode=adam_w_mode),
+                    lambda p: reference(p, lr=0.1, weight_decay=0.2), (5, 4), 1e-6)
+    p = [torch.nn.Parameter(torch.ones(2))]
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedAdam(p, amsgrad=True)
+    with pytest.raises(ValueError, match="bias_correction=False"):
+        FusedAdam(p, bias_correction=False)
+
+
+def test_deepspeed_cpu_adam_defaults_to_decoupled_decay():
+    pytest.importorskip("zkit_offload")
+    from zkit.compat.deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    # DeepSpeed's defaults: adamw_mode=True
+    _same_steps(lambda p: DeepSpeedCPUAdam(p, lr=0.05, weight_decay=0.3),
+                lambda p: torch.optim.AdamW(p, lr=0.05, weight_decay=0.3), (7, 3), 1e-5)
+    with pytest.raises(ValueError, match="fp32_optimizer_states=False"):
+        DeepSpeedCPUAdam([torch.nn.Parameter(torch.ones(2))], fp32_optimizer_states=False)
+
+
+def test_runtime_utils_and_utils():
+    from zkit.compat.deepspeed.runtime.utils import move_to_device, set_random_seed
+    from zkit.compat.deepspeed.utils import RepeatingLoader
+
+    set_random_seed(5)
+    a = torch.rand(3)
+    set_random_seed(5)
+    assert torch.equal(a, torch.rand(3))
+    moved = move_to_device({"x": [torch.ones(1), (torch.zeros(1), 3)]}, "cpu")
+    assert moved["x"][1][1] == 3 and isinstance(moved["x"][1], tuple)
+    it = RepeatingLoader([1, 2])
+    assert [next(it) for _ in range(5)] == [1, 2, 1, 2, 1]
+
+
+def test_log_dist_names_the_rank(caplog):
+    from zkit.compat.deepspeed.utils import log_dist
+
+    # outside a process group every call logs, as rank -1; inside, only the listed ranks do
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
+    with caplog.at_level(logging.INFO, logger="zkit"):
+        log_dist("hello", ranks=[0])
+        log_dist("not here", ranks=[5])
+    assert f"[Rank {rank}] hello" in caplog.text
+    assert ("not here" in caplog.text) == (rank == -1)
+
+
+def test_zero_names():
+    from zkit.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    assert {s.name for s in ZeroParamStatus} == {"AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"}
+    lin = torch.nn.Linear(2, 2)
+    deepspeed.zero.register_external_parameter(lin, lin.weight)
+    with pytest.raises(TypeError, match="parameter must be a torch.nn.Parameter"):
+        deepspeed.zero.register_external_parameter(lin, torch.ones(1))
+    from zkit.compat.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
+
+    assert "WarmupDecayLR" in VALID_LR_SCHEDULES and WarmupLR is zkit.optim.lr_schedules.WarmupLR

@@ -1,0 +1,1 @@
+"""Other libraries' public names mapped onto zkit's API (``zkit.compat.deepspeed``)."""

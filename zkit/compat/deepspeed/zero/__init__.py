@@ -1,0 +1,3 @@
+"""``deepspeed.zero``: ZeRO-3 construction and parameter access (:mod:`zkit.zero`)."""
+from zkit.compat.deepspeed.runtime.zero import *  # noqa: F401,F403
+from zkit.compat.deepspeed.runtime.zero import __all__  # noqa: F401
