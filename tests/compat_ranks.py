@@ -73,3 +73,42 @@ def script_with_args(tmp: str) -> dict:
         losses.append(loss.item())
     return {"stage": engine.zero_optimization_stage(), "dp": engine.dp_world_size, "rank": engine.global_rank,
             "local_rank": engine.local_rank, "losses": losses}
+
+
+def full_state_by_parameter(stage: int) -> dict:
+    """DeepSpeed's safe_get/set_full_* on a trained engine, and the ZeRO-3 ds_* attributes."""
+    import zkit
+    from zkit.compat.deepspeed import utils
+    from zkit.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from zkit.zero import GatheredParameters
+
+    torch.manual_seed(0)
+    net = _Net()
+    engine, *_ = zkit.initialize(model=net, config={
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})
+    g = torch.Generator().manual_seed(7)
+    for _ in range(2):
+        x = torch.randn(4, 6, generator=g)[2 * engine.rank:2 * engine.rank + 2]
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    out: dict = {"fp32": {}, "exp_avg_sq": {}}
+    params = dict(net.named_parameters())
+    for name, p in params.items():
+        out["fp32"][name] = utils.safe_get_full_fp32_param(p)
+        out["exp_avg_sq"][name] = utils.safe_get_full_optimizer_state(p, "exp_avg_sq")
+    with GatheredParameters(list(net.parameters())):
+        out["gathered"] = {n: p.detach().clone() for n, p in params.items()}
+    w = params["a.weight"]
+    if stage == 3:
+        out["ds"] = {"numel": w.ds_numel, "shape": tuple(w.ds_shape), "status": w.ds_status.name,
+                     "local": w.ds_tensor.numel(), "ids": len({p.ds_id for p in params.values()})}
+        with GatheredParameters([w]):
+            out["ds"]["status_gathered"] = w.ds_status.name
+        assert ZeroParamStatus.AVAILABLE.name == "AVAILABLE"
+    utils.safe_set_full_fp32_param(w, torch.full((8, 6), 0.5))
+    with GatheredParameters([w]):
+        out["after_set"] = w.detach().clone()
+    out["after_set_master"] = utils.safe_get_full_fp32_param(w)
+    engine.close()
+    return out

@@ -180,3 +180,31 @@ def test_zero_names():
     from zkit.compat.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
 
     assert "WarmupDecayLR" in VALID_LR_SCHEDULES and WarmupLR is zkit.optim.lr_schedules.WarmupLR
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_full_fp32_param_and_optimizer_state_by_parameter(stage):
+    results = run_ranks(compat_ranks.full_state_by_parameter, 2, args=(stage,))
+    reference = run_ranks(compat_ranks.full_state_by_parameter, 1, args=(0,))[0] if stage == 0 else None
+    for r in results:
+        for name, value in r["fp32"].items():
+            # fp32 training: the master is the parameter; every rank sees the whole of it
+            torch.testing.assert_close(value, r["gathered"][name], rtol=0, atol=0)
+            assert r["exp_avg_sq"][name].shape == value.shape and (r["exp_avg_sq"][name] > 0).any()
+        torch.testing.assert_close(r["after_set"], torch.full((8, 6), 0.5))
+        torch.testing.assert_close(r["after_set_master"], torch.full((8, 6), 0.5))
+        assert torch.equal(r["fp32"]["b.bias"], results[0]["fp32"]["b.bias"])
+    if stage == 3:
+        ds = [r["ds"] for r in results]
+        assert all(d["numel"] == 48 and d["shape"] == (8, 6) and d["ids"] == 4 for d in ds)
+        assert all(d["status"] == "NOT_AVAILABLE" and d["status_gathered"] == "AVAILABLE" for d in ds)
+        assert sum(d["local"] for d in ds) == 48  # the ranks' parts of the parameter make it whole
+    if reference is not None:  # the state is the optimizer's own (a 1-rank run has it whole)
+        assert set(reference["exp_avg_sq"]) == set(results[0]["exp_avg_sq"])
+
+
+def test_full_state_of_a_parameter_no_engine_trains():
+    from zkit.compat.deepspeed.utils import safe_get_full_fp32_param
+
+    with pytest.raises(ValueError, match="not trained by a live zkit engine"):
+        safe_get_full_fp32_param(torch.nn.Parameter(torch.ones(2)))

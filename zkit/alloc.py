@@ -43,6 +43,11 @@ class Allocator(abc.ABC):
     def place(self, purpose: str) -> torch.device:
         """The device a buffer of ``purpose`` lives on."""
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, name: str) -> None:
+        """Refuse, right after the partitioner builds it (so at initialize, not at the first step),
+        an optimizer this allocator cannot step: raise ``ValueError`` naming ``name`` (the
+        optimizer record's) and what it lacks. Default: every optimizer is fine."""
+
     def pin(self, purpose: str) -> bool:
         """Whether host buffers of ``purpose`` should be page-locked (only meaningful with CUDA)."""
         return False

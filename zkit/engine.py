@@ -214,7 +214,10 @@ class Engine(torch.nn.Module):
             name = getattr(client, "__name__", "client")
         else:
             raise TypeError(f"optimizer= must be a torch optimizer or a callable, got {client!r}")
-        return OptimizerRecord(name=f"client:{name}", factory=factory, dist="client"), {}
+        # torch's Adam family keeps Adam's moments: its checkpoints load into any "adam" optimizer
+        adam = isinstance(client, (torch.optim.Adam, torch.optim.AdamW))
+        return OptimizerRecord(name=f"client:{name}", factory=factory, dist="client",
+                               state_format="adam" if adam else None), {}
 
     def _lr_scheduler(self, client: Any) -> Any:
         record = self.records["scheduler"]

@@ -94,11 +94,21 @@ class OptimizerRecord(Record):
     * Every rank calls ``step()`` every step, and the optimizer issues the same collectives in the
       same order on every rank, whatever it holds (no early return before the all-reduce).
     * ``devices``: device types the optimizer can step on (``"cpu"``, ``"cuda"``).
+    * ``state_format``: what the saved per-parameter state means. A checkpoint's optimizer state
+      loads into an optimizer of the same format only (torch's Adam and AdamW and zkit-offload's
+      CPU Adams share ``"adam"``: moments with Adam's meaning); ``None`` means this record's own
+      name. 1-bit Adam's frozen variance is not Adam's second moment, so it has its own format.
     """
 
     state_names: tuple[str, ...] = ()
     elementwise: bool = True
     devices: tuple[str, ...] = ("cpu", "cuda")
+    state_format: str | None = None
+
+    @property
+    def saved_state_format(self) -> str:
+        """The format checkpoints record: ``state_format``, else the record's name."""
+        return self.state_format or self.name
 
 
 @attrs.frozen(kw_only=True)

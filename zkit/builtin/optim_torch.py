@@ -148,12 +148,14 @@ def zkit_register_optimizers():
         name="adam",
         factory=make_adam,
         state_names=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+        state_format="adam",
         description="Adam; decoupled weight decay (AdamW) unless adam_w_mode=false, as in DeepSpeed",
     )
     yield OptimizerRecord(
         name="adamw",
         factory=make_adamw,
         state_names=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+        state_format="adam",
         description="AdamW (decoupled weight decay), torch's fused kernel",
     )
     yield OptimizerRecord(

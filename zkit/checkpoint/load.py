@@ -38,6 +38,24 @@ def _check_params(meta: dict[str, Any], engine: "Engine", where: Path) -> None:
             )
 
 
+def _check_state_format(meta: dict[str, Any], engine: "Engine", where: Path) -> None:
+    """Refuse optimizer state saved by an optimizer whose state means something else (1-bit
+    Adam's frozen variance read as AdamW's second moment would move weights by orders of
+    magnitude). Checkpoints written before the format was recorded are not checked."""
+    saved = meta.get("optimizer_state_format")
+    if engine.inference_only:
+        return  # no optimizer to load into
+    record = engine.partitioner.ctx.optimizer
+    if saved is None or saved == record.saved_state_format:
+        return
+    raise CheckpointError(
+        f"{where}: the optimizer state was saved by optimizer {meta.get('optimizer')!r} (state format {saved!r}) "
+        f"and cannot be loaded into optimizer {record.name!r} (state format {record.saved_state_format!r}): the "
+        f"saved tensors mean something else there. Load with load_optimizer_states=False to take the weights "
+        f"(and restart the optimizer's state), or resume with {meta.get('optimizer')!r}"
+    )
+
+
 class _Filler:
     """Copies saved ranges into one owned piece and checks the piece ends up fully covered."""
 
@@ -147,6 +165,8 @@ def load_checkpoint(
         where = where / part[0]
         meta = read_meta(where)
     _check_params(meta, engine, where)
+    if load_optimizer_states:
+        _check_state_format(meta, engine, where)
 
     # Read (and verify) each file once: rank 0's and this rank's are kept for what follows.
     kept: dict[str, dict] = {}

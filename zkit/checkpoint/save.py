@@ -179,6 +179,7 @@ def _meta(engine: "Engine", tag: str, index: list[Any]) -> dict[str, Any]:
         "stage": part.stage,
         "partitioner": engine.records["partitioner"].name,
         "optimizer": part.ctx.optimizer.name,
+        "optimizer_state_format": part.ctx.optimizer.saved_state_format,
         "dtype": str(engine.dtype).replace("torch.", ""),
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,

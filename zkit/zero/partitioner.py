@@ -21,6 +21,7 @@ from zkit.optim.fused_step import FusedStepOptimizer
 from zkit.partition import PartitionContext, Partitioner, Piece
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.param_refresh import ParamRefresh
+from zkit.zero import full_state
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -80,8 +81,10 @@ class ZeroPartitioner(Partitioner):
         self._build_param_buffers()
         self._build_master()
         self.optimizer = self._build_optimizer()
+        self.allocator.check_optimizer(self.optimizer, self.ctx.optimizer.name)
         #: the optimizer's step writes the 16-bit parameters itself (see :meth:`_attach_copy_out`)
         self.copy_out = self._attach_copy_out()
+        full_state.register(self)  # safe_get_full_fp32_param(param) and friends find this partitioner
         gathers = self.shards_states and self.world > 1 and self.stage in (1, 2)
         #: background parameter all-gathers (``overlap_param_gather``), else None: gathers in step()
         self.refresh = (

@@ -17,6 +17,8 @@ the training device.
 """
 from __future__ import annotations
 
+import enum
+import itertools
 import threading
 from typing import Any, Callable, Iterable
 
@@ -75,11 +77,64 @@ def ensure_gathered(p: "ZeroParameter") -> None:
     ACTIVE.fetch(unit)
 
 
+class ParamStatus(enum.Enum):
+    """Where a partitioned parameter's values are (DeepSpeed's ``ZeroParamStatus``)."""
+
+    AVAILABLE = 1  #: gathered: the full values are in ``param.data``
+    NOT_AVAILABLE = 2  #: released: only the shards exist
+    INFLIGHT = 3  #: a gather is under way
+
+
+_next_param_id = itertools.count()
+
+
 class ZeroParameter(torch.nn.Parameter):
-    """A parameter whose values live in shards across ranks (see the module docstring)."""
+    """A parameter whose values live in shards across ranks (see the module docstring).
+
+    DeepSpeed's ZeRO-3 attributes are there for code that reads them: ``ds_id`` (a number unique
+    in the process, in partitioning order), ``ds_shape`` and ``ds_numel`` (the full parameter's,
+    whatever ``param.data`` holds now), ``ds_status`` (a :class:`ParamStatus`) and ``ds_tensor``
+    (the part of this parameter that this rank's shard holds, flat; empty when the rank's shard
+    has none of it: zkit shards a module's parameters together)."""
 
     _zkit_unit: "ShardedUnit"
     _zkit_released: bool = False
+    _zkit_id: int = -1
+
+    @property
+    def ds_id(self) -> int:
+        return self._zkit_id
+
+    @property
+    def ds_shape(self) -> torch.Size:
+        return torch.Size(self._zkit_slot().shape)
+
+    @property
+    def ds_numel(self) -> int:
+        return self._zkit_slot().numel
+
+    @property
+    def ds_status(self) -> ParamStatus:
+        unit = self._zkit_unit
+        if unit.handle is not None:
+            return ParamStatus.INFLIGHT
+        return ParamStatus.NOT_AVAILABLE if self._zkit_released or unit.full is None else ParamStatus.AVAILABLE
+
+    @property
+    def ds_tensor(self) -> torch.Tensor:
+        unit = self._zkit_unit
+        slot = self._zkit_slot()
+        lo, hi = unit.unit.shard_range(unit.comm.rank)
+        start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
+        with torch._C.DisableTorchFunctionSubclass():
+            return unit.local_shard()[start - lo : max(start, end) - lo]
+
+    def _zkit_slot(self) -> Any:
+        unit = self._zkit_unit
+        for slot, q in zip(unit.unit.slots, unit.params):
+            if q is self:
+                return slot
+        raise RuntimeError("a ZeroParameter outside its unit")
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -165,6 +220,7 @@ class ShardedUnit:
             p.__class__ = ZeroParameter
             p._zkit_unit = self
             p._zkit_released = False
+            p._zkit_id = next(_next_param_id)
 
     @classmethod
     def from_params(cls, unit: Unit, params: list[torch.nn.Parameter], comm: Any, allocator: Any, rank: int, module_name: str) -> "ShardedUnit":

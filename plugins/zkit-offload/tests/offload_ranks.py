@@ -326,3 +326,26 @@ def same_optimizer_with_and_without_offload(stage: int) -> dict:
             out[(name, device)] = params_of(engine)
             engine.close()
     return out
+
+
+def other_optimizer_on_offload(stage: int, nvme_root: str) -> dict:
+    """SGD (no CPU kernel) with offload_optimizer: by config and by Stack on cpu (trained, next to
+    the run without offload), and the error each route gives on nvme at initialize."""
+    world = torch.distributed.get_world_size()
+    sgd = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
+    out: dict = {}
+    for route, device in [("none", "none"), ("config", "cpu"), ("stack", "cpu")]:
+        cfg = config(stage, "fp32", world, device, optimizer=sgd)  # a Stack's choice reads the section too
+        stack = zkit.Stack(optimizer="sgd") if route == "stack" else None
+        engine, *_ = zkit.initialize(model=make_model(), config=cfg, stack=stack)
+        train(engine, 3, 2)
+        out[route] = {"params": params_of(engine), "allocator": engine.records["allocator"].name}
+        engine.close()
+    for route in ("config", "stack"):
+        cfg = config(stage, "fp32", world, "nvme", nvme_root, optimizer=sgd if route == "config" else None)
+        try:
+            zkit.initialize(model=make_model(), config=cfg, stack=zkit.Stack(optimizer="sgd") if route == "stack" else None)
+            out[f"nvme-{route}"] = "accepted"
+        except ValueError as exc:
+            out[f"nvme-{route}"] = str(exc)
+    return out

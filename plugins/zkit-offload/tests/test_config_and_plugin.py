@@ -46,8 +46,12 @@ def test_choose_stack():
     nvme = plugin.choose_stack(OffloadOptimizerConfig(device="nvme", nvme_path="/tmp"), AioConfig(), "Adam")
     assert (nvme.allocator, nvme.optimizer) == ("nvme", "cpu_adam")
     assert plugin.choose_stack(OffloadOptimizerConfig(), AioConfig(), "Adam") is None
-    with pytest.raises(ValueError, match="optimizer 'SGD' has no CPU implementation"):
-        plugin.choose_stack(OffloadOptimizerConfig(device="cpu"), AioConfig(), "SGD")
+    # any optimizer steps a host-resident master; only the fused CPU ones step sub-groups from NVMe
+    assert plugin.choose_stack(OffloadOptimizerConfig(device="cpu"), AioConfig(), "SGD") == \
+        zkit.Stack(allocator="host", optimizer=None)
+    with pytest.raises(ValueError, match="optimizer 'SGD' cannot run with zero_optimization.offload_optimizer.device "
+                                         "'nvme'.*or offload_optimizer.device 'cpu'"):
+        plugin.choose_stack(OffloadOptimizerConfig(device="nvme", nvme_path="/tmp"), AioConfig(), "SGD")
     with pytest.raises(ValueError, match="GPUDirect Storage is not supported"):
         plugin.choose_stack(OffloadOptimizerConfig(device="cpu"), AioConfig(use_gds=True), "Adam")
     with pytest.raises(ValueError, match="partial optimizer offload is not supported"):

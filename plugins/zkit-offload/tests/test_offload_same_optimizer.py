@@ -38,3 +38,14 @@ def test_a_weight_decay_default_differs_from_torchs():
 
     assert adam_settings("adamw", {})[1]["weight_decay"] == 0.0
     assert adam_settings("adam", {})[0] is True
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_optimizer_without_a_cpu_kernel_same_by_config_and_by_stack(tmp_path, stage):
+    (out,) = run_ranks(orr.other_optimizer_on_offload, 1, args=(stage, str(tmp_path)), timeout=300)
+    for route in ("config", "stack"):
+        assert out[route]["allocator"] == "host"
+        _close(out[route]["params"], out["none"]["params"])
+        # refused at initialize on nvme, naming the optimizer and the device, by either route
+        assert "cannot run with zero_optimization.offload_optimizer.device 'nvme'" in out[f"nvme-{route}"]
+        assert "'sgd'" in out[f"nvme-{route}"].lower()

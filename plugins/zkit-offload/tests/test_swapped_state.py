@@ -82,8 +82,10 @@ def test_state_reads_back_from_the_swap_files_and_loads_into_them(tmp_path):
 def test_step_optimizer_refuses_other_optimizers_and_changed_parameters(tmp_path):
     alloc = _allocator(tmp_path)
     params = _params()
-    with pytest.raises(TypeError, match="NVMe optimizer offload steps zkit-offload's fused CPU optimizers .* got AdamW"):
+    with pytest.raises(ValueError, match="optimizer 'AdamW' \\(AdamW\\) cannot run with .*device 'nvme'"):
         alloc.step_optimizer(torch.optim.AdamW(params))
+    with pytest.raises(ValueError, match="optimizer 'sgd' \\(SGD\\) cannot run with .*fused CPU optimizers"):
+        alloc.check_optimizer(torch.optim.SGD(params), "sgd")
     opt = CPUAdamW(params, lr=1e-2)
     _grads(params, torch.Generator().manual_seed(0))
     alloc.step_optimizer(opt)

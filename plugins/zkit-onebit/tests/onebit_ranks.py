@@ -351,3 +351,31 @@ def engine_onebit_communicator(steps: int) -> dict:
            "keys": sorted(engine.comm._feedback), "type": type(engine.comm).__name__}
     engine.close()
     return out
+
+
+def onebit_checkpoint_into_adamw(save_dir: str) -> dict:
+    """A OneBitAdam checkpoint past its freeze step, loaded into an AdamW engine: with its
+    optimizer state (refused), and weights only (accepted, the weights equal)."""
+    import zkit
+    from zkit.checkpoint.errors import CheckpointError
+
+    engine, _ = _engine(1, "fp32", 2, "OneBitAdam")
+    _engine_steps(engine, 0, 4)
+    engine.save_checkpoint(save_dir, tag="onebit")
+    saved = _flat_params(engine)
+    engine.close()
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Tanh(), torch.nn.Linear(96, 64))
+    adamw, *_ = zkit.initialize(model=model, config={"train_micro_batch_size_per_gpu": 4,
+                                                     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                                                     "zero_optimization": {"stage": 1}})
+    out: dict = {}
+    try:
+        adamw.load_checkpoint(save_dir, tag="onebit")
+        out["with_state"] = "loaded"
+    except CheckpointError as exc:
+        out["with_state"] = str(exc)
+    adamw.load_checkpoint(save_dir, tag="onebit", load_optimizer_states=False)
+    out["weights_equal"] = bool(torch.equal(_flat_params(adamw), saved))
+    adamw.close()
+    return out

@@ -180,16 +180,25 @@ class NVMeAllocator(HostAllocator):
         self._master_store = SwappedMasterStore(self, shard_sizes, self.sub_group_size)
         return self._master_store
 
+    def check_optimizer(self, optimizer: torch.optim.Optimizer, name: str) -> None:
+        """With the optimizer state on NVMe, the optimizer must step sub-group by sub-group between
+        swaps: only zkit-offload's fused CPU optimizers can."""
+        from zkit_offload.cpu_optimizer import FusedCPUOptimizer
+
+        if self.swapper is not None and not isinstance(optimizer, FusedCPUOptimizer):
+            raise ValueError(
+                f"optimizer {name!r} ({type(optimizer).__name__}) cannot run with "
+                "zero_optimization.offload_optimizer.device 'nvme': the state swapped from NVMe is stepped sub-group "
+                "by sub-group, which only zkit-offload's fused CPU optimizers do (cpu_adam, cpu_adamw, cpu_adagrad, "
+                f"cpu_lion; config types Adam, AdamW, Adagrad, Lion). {type(optimizer).__name__} has no sub-group "
+                "step. Use one of those, or offload_optimizer.device 'cpu', which steps any optimizer in host memory"
+            )
+
     def _swapped_state(self, optimizer: "FusedCPUOptimizer", plan: SubGroupPlan | None = None) -> SwappedState:
         """``optimizer.state`` as a :class:`SwappedState`, installed on the first step (and again
         after ``optimizer.load_state_dict``, which replaces it with a plain dict). ``plan``: the
         sub-group layout to use (default: the parameters packed by ``sub_group_size``)."""
-        from zkit_offload.cpu_optimizer import FusedCPUOptimizer
-
-        if not isinstance(optimizer, FusedCPUOptimizer):
-            raise TypeError(f"NVMe optimizer offload steps zkit-offload's fused CPU optimizers (cpu_adam, cpu_adamw, "
-                            f"cpu_adagrad, cpu_lion); got {type(optimizer).__name__}. Configure one of Adam, AdamW, "
-                            "Adagrad, Lion instead of passing a client optimizer")
+        self.check_optimizer(optimizer, type(optimizer).__name__)
         params = [p for g in optimizer.param_groups for p in g["params"]]
         state = optimizer.state
         if isinstance(state, SwappedState):

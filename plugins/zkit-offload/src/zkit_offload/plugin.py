@@ -77,9 +77,9 @@ def _nvme_allocator(device, config):
 def zkit_register_optimizers():
     cpu = ("cpu",)
     yield OptimizerRecord(name="cpu_adam", aliases=("deepspeedcpuadam",), devices=cpu,
-                          state_names=("exp_avg", "exp_avg_sq"), factory=_cpu_adam,
+                          state_names=("exp_avg", "exp_avg_sq"), factory=_cpu_adam, state_format="adam",
                           description="Adam (AdamW with adamw_mode) fused in one multi-threaded Numba pass")
-    yield OptimizerRecord(name="cpu_adamw", devices=cpu, state_names=("exp_avg", "exp_avg_sq"),
+    yield OptimizerRecord(name="cpu_adamw", devices=cpu, state_names=("exp_avg", "exp_avg_sq"), state_format="adam",
                           factory=_cpu_adamw, description="AdamW fused in one multi-threaded Numba pass")
     yield OptimizerRecord(name="cpu_adagrad", devices=cpu, state_names=("sum",), factory=_cpu_adagrad,
                           description="Adagrad fused in one multi-threaded Numba pass")
@@ -129,12 +129,17 @@ def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfi
     optimizer = None
     if optimizer_type is not None and optimizer_section.device != "none":
         key = optimizer_type.strip().lower()
-        if key not in CPU_OPTIMIZER_FOR:
+        if key in CPU_OPTIMIZER_FOR:
+            optimizer = CPU_OPTIMIZER_FOR[key]
+        elif optimizer_section.device == "nvme":
+            # the same refusal a Stack-chosen optimizer meets at initialize (NVMeAllocator.check_optimizer)
             raise ValueError(
-                f"optimizer {optimizer_type!r} has no CPU implementation for offload_optimizer.device "
-                f"{optimizer_section.device!r}; use one of Adam, AdamW, Adagrad, Lion"
+                f"optimizer {optimizer_type!r} cannot run with zero_optimization.offload_optimizer.device 'nvme': the "
+                "state swapped from NVMe is stepped sub-group by sub-group, which only zkit-offload's fused CPU "
+                "optimizers do (config types Adam, AdamW, Adagrad, Lion). Use one of those, or offload_optimizer.device "
+                "'cpu', which steps any optimizer in host memory"
             )
-        optimizer = CPU_OPTIMIZER_FOR[key]
+        # on "cpu" another optimizer steps the host-resident master itself, as it would by a Stack
     return zkit.Stack(allocator=allocator, optimizer=optimizer)
 
 

@@ -8,7 +8,9 @@ import torch
 
 from zkit.data import RepeatingLoader
 
-__all__ = ["RepeatingLoader", "log_dist", "logger", "print_dist", "set_z3_leaf_modules"]
+__all__ = ["RepeatingLoader", "log_dist", "logger", "print_dist", "safe_get_full_fp32_param",
+           "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "safe_set_full_optimizer_state",
+           "set_z3_leaf_modules"]
 
 #: zkit's logger (DeepSpeed scripts log through ``deepspeed.utils.logger``)
 logger = logging.getLogger("zkit")
@@ -48,3 +50,31 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: Iterable[An
     classes = tuple(c for c in leaf_module_classes if isinstance(c, type))
     names = {c for c in leaf_module_classes if isinstance(c, str)}
     return [m for m in model.modules() if isinstance(m, classes) or type(m).__name__ in names]
+
+
+def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
+    """The parameter's full fp32 master (every rank calls it together)."""
+    from zkit.zero.full_state import get_full_fp32_param
+
+    return get_full_fp32_param(param)
+
+
+def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """Replace the parameter's fp32 master and the parameter (every rank together)."""
+    from zkit.zero.full_state import set_full_fp32_param
+
+    set_full_fp32_param(param, value)
+
+
+def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
+    """The optimizer's ``optim_state_key`` state of the parameter, whole (every rank together)."""
+    from zkit.zero.full_state import get_full_optimizer_state
+
+    return get_full_optimizer_state(param, optim_state_key)
+
+
+def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
+    """Replace the optimizer's ``optim_state_key`` state of the parameter."""
+    from zkit.zero.full_state import set_full_optimizer_state
+
+    set_full_optimizer_state(param, value, optim_state_key)

@@ -2,22 +2,17 @@
 parameter status enum and external-parameter registration, over :mod:`zkit.zero`."""
 from __future__ import annotations
 
-import enum
-
 import torch
 
 from zkit.zero import GatheredParameters, Init
+from zkit.zero.sharded_params import ParamStatus
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
            "unregister_external_parameter"]
 
 
-class ZeroParamStatus(enum.Enum):
-    """DeepSpeed's states of a partitioned parameter (a ZeRO-3 parameter's ``ds_status``)."""
-
-    AVAILABLE = 1  #: gathered: the full values are in ``param.data``
-    NOT_AVAILABLE = 2  #: released: only this rank's shard is held
-    INFLIGHT = 3  #: a gather is under way
+#: DeepSpeed's name for the states of a partitioned parameter (its ``ds_status``)
+ZeroParamStatus = ParamStatus
 
 
 def _check(module: torch.nn.Module, parameter: torch.nn.Parameter, what: str) -> None:
