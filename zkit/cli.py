@@ -51,10 +51,18 @@ def _parser() -> argparse.ArgumentParser:
 
     cons = sub.add_parser("consolidate", help="write a sharded checkpoint as one state dict (.pt, .bin or .safetensors)")
     cons.add_argument("checkpoint", help="the directory given to save_checkpoint, or one tag's directory")
-    cons.add_argument("out", help="output file: .pt or .bin (torch.load) or .safetensors")
+    cons.add_argument("out", help="output file: .pt or .bin (torch.load) or .safetensors; a directory with --format "
+                                  "hf or dcp")
     cons.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     cons.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
                       help="dtype of floating-point tensors in the output (default: fp32)")
+    cons.add_argument("--format", choices=("file", "hf", "dcp"), default="file",
+                      help="file: one state dict (by the suffix); hf: a Hugging Face save_pretrained directory "
+                           "(needs --hf-config); dcp: a PyTorch Distributed Checkpoint directory (torchtitan, FSDP2)")
+    cons.add_argument("--hf-config", default=None,
+                      help="with --format hf: the model's save_pretrained directory or its config.json")
+    cons.add_argument("--max-shard-bytes", type=int, default=None,
+                      help="with --format hf: the largest safetensors shard (default 5e9 bytes)")
 
     sub.add_parser("plugins", help="list every family's records with their distributions")
     sub.add_parser("report", help="versions, backends, kernels and plugins of this environment")
@@ -152,7 +160,13 @@ def consolidate(args: argparse.Namespace) -> int:
     from zkit.checkpoint.consolidate import write_consolidated
     from zkit.checkpoint.errors import CheckpointError
 
+    if args.format != "hf" and (args.hf_config or args.max_shard_bytes):
+        raise SystemExit("zkit consolidate: --hf-config and --max-shard-bytes go with --format hf")
     try:
+        if args.format == "hf":
+            return _export_hf(args)
+        if args.format == "dcp":
+            return _export_dcp(args)
         done = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
     except (CheckpointError, ValueError) as exc:
         raise SystemExit(f"zkit consolidate: {exc}") from None
@@ -161,6 +175,29 @@ def consolidate(args: argparse.Namespace) -> int:
         f"wrote {done.path}: {done.tensors} tensors ({tied} tied aliases), {done.nbytes:,} bytes of tensor data "
         f"({done.dtype}), file {done.path.stat().st_size:,} bytes, from {done.source}"
     )
+    return 0
+
+
+def _export_hf(args: argparse.Namespace) -> int:
+    from zkit.checkpoint.export_hf import DEFAULT_MAX_SHARD_BYTES, write_hf_pretrained
+
+    if not args.hf_config:
+        raise SystemExit("zkit consolidate --format hf needs --hf-config: the model's save_pretrained directory or "
+                         "its config.json (the checkpoint holds weights, not the model's configuration)")
+    done = write_hf_pretrained(args.checkpoint, args.out, config=args.hf_config, tag=args.tag, dtype=args.dtype,
+                               max_shard_bytes=args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    print(f"wrote {done.directory}: {done.tensors} tensors in {len(done.shards)} safetensors shard(s), "
+          f"{done.nbytes:,} bytes ({done.dtype}); tied names left for the model to re-tie: "
+          f"{', '.join(done.tied) or 'none'}")
+    return 0
+
+
+def _export_dcp(args: argparse.Namespace) -> int:
+    from zkit.checkpoint.dcp import write_dcp
+
+    done = write_dcp(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+    print(f"wrote {done.directory}: {done.tensors} model tensors, optimizer state of {done.optimizer_tensors} "
+          f"parameters, {done.nbytes:,} bytes ({done.dtype})")
     return 0
 
 

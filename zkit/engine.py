@@ -135,7 +135,7 @@ class Engine(torch.nn.Module):
         self.partitioner: Partitioner = self.records["partitioner"].factory(
             PartitionContext(
                 module=self.module,
-                param_groups=_param_groups(self.module, model_parameters),
+                param_groups=_param_groups(self.module, model_parameters, client_optimizer),
                 config=self.config,
                 comm=self.comm,
                 allocator=self.allocator,
@@ -196,6 +196,14 @@ class Engine(torch.nn.Module):
     # -- construction helpers ----------------------------------------------------------------------
     def _optimizer_choice(self, client: Any) -> tuple[OptimizerRecord, dict[str, Any]]:
         record = self.records["optimizer"]
+        if client is not None and record is not None:
+            # DeepSpeed steps the client's optimizer and ignores the config's section: so does zkit,
+            # and says so (a section that does nothing must not pass silently)
+            section = self.config.optimizer.type if self.config.optimizer is not None else record.name
+            log.warning("optimizer= (%s) was given and the config names optimizer %r: the client's optimizer is "
+                        "trained and the config's optimizer section is ignored, as in DeepSpeed",
+                        type(client).__name__, section)
+            record = None
         if record is not None:
             params = dict(self.config.optimizer.params) if self.config.optimizer is not None else {}
             if self.stack.optimizer is not None and self.config.optimizer is None:
@@ -207,7 +215,10 @@ class Engine(torch.nn.Module):
             return OptimizerRecord(name="none", factory=_InferenceOnly, dist="zkit"), {}
         if isinstance(client, torch.optim.Optimizer):
             cls, defaults = type(client), _constructor_defaults(client)
-            factory = lambda groups, **kw: cls(groups, **{**defaults, **kw})  # noqa: E731
+
+            def factory(groups: list[dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
+                return _adopt(client, cls(groups, **{**defaults, **kw}))
+
             name = cls.__name__
         elif callable(client):
             factory = lambda groups, **kw: client(groups)  # noqa: E731
@@ -615,6 +626,20 @@ class Engine(torch.nn.Module):
         with diagnostics.phase("save_16bit_model"):
             return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
 
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether ZeRO-3 saves gather the 16-bit weights (``stage3_gather_16bit_weights_on_model_save``)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's
+        host (``None`` on the others); every rank calls it."""
+        from zkit.checkpoint.sixteen_bit import consolidated_16bit_state_dict
+
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    #: DeepSpeed's name, which Accelerate and transformers call
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict
+
     def load_checkpoint(
         self,
         load_dir: str,
@@ -626,7 +651,9 @@ class Engine(torch.nn.Module):
     ) -> tuple[str | None, dict]:
         from pathlib import Path
 
-        if tag is None and not (Path(load_dir) / "latest").is_file():
+        from zkit.checkpoint.dcp import is_dcp
+
+        if tag is None and not (Path(load_dir) / "latest").is_file() and not is_dcp(Path(load_dir)):
             # DeepSpeed's answer: a warning and (None, None), so "resume if there is anything to
             # resume" scripts start from scratch on their first run.
             log.warning(
@@ -659,6 +686,9 @@ class Engine(torch.nn.Module):
         self.comm.close()
         if self.world_comm is not self.comm:
             self.world_comm.close()
+
+    #: DeepSpeed's name (Accelerate's ``free_memory()`` calls it)
+    destroy = close
 
 
 _NO_OPTIMIZER = (
@@ -771,9 +801,32 @@ def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def _param_groups(module: torch.nn.Module, model_parameters: Iterable[Any] | None) -> list[dict[str, Any]]:
+def _adopt(client: torch.optim.Optimizer, built: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The client's optimizer object becomes ``built`` (the same class and options over the
+    partitioner's shards): the object the user holds, and every LR scheduler built on it, drive
+    what the engine trains, as DeepSpeed steps the client's optimizer itself. Accelerate, for
+    one, keeps a torch scheduler on the client optimizer without handing it to initialize. The
+    schedule's current and base learning rates carry over."""
+    for new, old in zip(built.param_groups, client.param_groups):
+        for key in ("lr", "initial_lr"):
+            if key in old:
+                new[key] = old[key]
+    # a scheduler's wrapper of the bound ``step`` (torch counts optimizer steps through it) stays
+    kept = {k: v for k, v in vars(client).items() if k == "step"}
+    vars(client).clear()
+    vars(client).update(vars(built), **kept)
+    return client
+
+
+def _param_groups(
+    module: torch.nn.Module, model_parameters: Iterable[Any] | None, client_optimizer: Any = None
+) -> list[dict[str, Any]]:
     """torch-style param groups over the module's trainable parameters, the user's grouping and
-    per-group options kept. Trainable parameters the user did not list join the first group."""
+    per-group options kept. Trainable parameters the user did not list join the first group.
+    A client optimizer instance brings its own groups, which win over ``model_parameters`` (as in
+    DeepSpeed, which steps that optimizer as it was built)."""
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        model_parameters = [dict(g) for g in client_optimizer.param_groups]
     if model_parameters is None:
         return [{"params": [p for p in module.parameters() if p.requires_grad]}]
     items = list(model_parameters)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from zkit.checkpoint import rng
+from zkit.checkpoint.dcp import is_dcp
 from zkit.checkpoint.deepspeed.layout import looks_like_deepspeed
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import META, file_digests, load_rank_file, rank_file, read_meta, resolve_tag
@@ -148,6 +149,10 @@ def load_checkpoint(
     load_lr_scheduler_states: bool,
 ) -> tuple[str, dict]:
     root = Path(load_dir)
+    if tag is None and is_dcp(root):  # PyTorch Distributed Checkpoint (torchtitan, FSDP2)
+        from zkit.checkpoint.dcp import load_dcp
+
+        return load_dcp(engine, root, load_optimizer_states=load_optimizer_states)
     tag = resolve_tag(root, tag)
     where = root / tag
     if not (where / META).is_file() and looks_like_deepspeed(where):

@@ -32,17 +32,34 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str, exclud
             path,
         )
         return False
+    state = _state_on_rank0(engine, zero3, exclude_frozen_parameters)
+    world = getattr(engine, "world_comm", engine.comm)
+    if state is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_torch_save(state, path)
+    world.barrier()
+    return True
+
+
+def consolidated_16bit_state_dict(engine: "Engine", exclude_frozen_parameters: bool = False) -> dict | None:
+    """The model's ``state_dict`` in its training dtype, whole, on the host of rank 0 (``None``
+    elsewhere); partitioned parameters gathered one module at a time. ZeRO stage 3 only, as
+    DeepSpeed's ``_zero3_consolidated_16bit_state_dict``; every rank must call it."""
+    if engine.partitioner.stage != 3:
+        raise ValueError("consolidated_16bit_state_dict requires ZeRO stage 3 (at stages 0-2 every rank holds "
+                         "the whole model: use engine.module.state_dict())")
+    return _state_on_rank0(engine, True, exclude_frozen_parameters)
+
+
+def _state_on_rank0(engine: "Engine", zero3: bool, exclude_frozen_parameters: bool) -> dict | None:
+    """The whole state dict on rank 0's host, None on the other ranks (which take part)."""
     engine.wait_for_parameters()
     world = getattr(engine, "world_comm", engine.comm)
     state = _gathered_state_dict(engine.module, zero3, keep=world.rank == 0)
     if exclude_frozen_parameters:
         frozen = {name for name, p in engine.module.named_parameters() if not p.requires_grad}
         state = {k: v for k, v in state.items() if k not in frozen}
-    if world.rank == 0:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(state, path)
-    world.barrier()
-    return True
+    return state if world.rank == 0 else None
 
 
 def _gathered_state_dict(module: torch.nn.Module, zero3: bool, keep: bool) -> dict[str, torch.Tensor]:

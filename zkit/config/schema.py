@@ -190,6 +190,14 @@ class ZkitConfig:
         """``data_types.grad_accum_dtype`` or ``gradient_accumulation_dtype``, whichever is set."""
         return self.data_types.grad_accum_dtype or self.gradient_accumulation_dtype
 
+    def get(self, key: str, default: Any = None) -> Any:
+        """The top-level ``key`` of the DeepSpeed-style dict this config was loaded from, as
+        DeepSpeed's ``engine.config`` (that dict) answers ``engine.config.get(key)``; a copy, so
+        the validated config cannot change under the engine."""
+        import copy
+
+        return copy.deepcopy(self.raw.get(key, default)) if self.raw else self.to_dict().get(key, default)
+
     def section(self, path: str) -> Any:
         """The structured plugin-owned section at the dotted ``path`` (``None`` when absent)."""
         return self.plugin_sections.get(path)

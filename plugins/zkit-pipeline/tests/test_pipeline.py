@@ -95,3 +95,28 @@ def test_schedules_are_registered_as_step_records():
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
         record = pm.lookup("scheduler", name)
         assert record.kind == "step" and record.dist.startswith("zkit-pipeline")
+
+
+def test_pipeline_checkpointing_follows_the_activation_checkpointing_config():
+    """activation_checkpoint_interval runs through zkit.checkpointing: the configured profile
+    (and CPU copies) apply, and the gradients are those without checkpointing."""
+    from zkit import checkpointing
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()]
+    plain = PipelineModule(layers, 1, None, stage_id=0)
+    ckpt = PipelineModule(layers, 1, None, stage_id=0, activation_checkpoint_interval=2)
+    x = torch.randn(4, 8)
+    plain(x).sum().backward()
+    want = [p.grad.clone() for p in plain.parameters()]
+    for p in plain.parameters():
+        p.grad = None
+    checkpointing.configure({"activation_checkpointing": {"cpu_checkpointing": True, "profile": True}})
+    try:
+        ckpt(x).sum().backward()
+        report = checkpointing.profile_report()
+    finally:
+        checkpointing.reset()
+    assert any(name.startswith("pipeline layers") for name in report), report
+    for p, g in zip(ckpt.parameters(), want):
+        torch.testing.assert_close(p.grad, g)

@@ -74,3 +74,9 @@ def test_rng_tracker_errors():
     with pytest.raises(ValueError, match="RNG state 'a' already exists"):
         tracker.add("a", 2)
     assert get_rng_tracker() is get_rng_tracker()
+
+
+def test_partition_activations_from_the_config_alone():
+    # DeepSpeed needs configure(mpu, ...); here the engine knows the model's tensor-parallel group
+    for r in run_ranks(tp_ranks.partition_activations_from_config, 2, timeout=120):
+        assert r == {"splits": True, "group_size": 2}

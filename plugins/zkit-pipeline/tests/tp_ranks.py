@@ -115,3 +115,24 @@ def all_checks(steps: int) -> dict:
         "dropout": dropout_masks(),
         "gpt": gpt_matches_dense(steps),
     }
+
+
+def partition_activations_from_config() -> dict:
+    """A TensorParallelModule engine whose config alone turns partition_activations on: the
+    checkpointing settings split saved inputs over the model's tensor-parallel ranks."""
+    import zkit
+    from zkit import checkpointing
+    from zkit_pipeline.tensor_parallel.module import TensorParallelModule
+    from zkit_pipeline.topology import ProcessGrid
+    from zkit_pipeline.tp_gpt import GPTConfig, TensorParallelGPT
+
+    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, n_heads=2, d_model=16)
+    module = TensorParallelModule(lambda tp: TensorParallelGPT(cfg, tp), ProcessGrid(data=1, tensor=2))
+    engine, *_ = zkit.initialize(model=module, config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "activation_checkpointing": {"partition_activations": True}})
+    settings = checkpointing.settings()
+    out = {"splits": settings.splits, "group_size": settings.group.world_size if settings.group else None}
+    engine.close()
+    checkpointing.reset()
+    return out

@@ -20,7 +20,7 @@ from zkit.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zkit.compat.deepspeed.utils import log_dist, logger
 from zkit.comm import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 
-__version__ = "0.19.8"
+__version__ = "0.19.8+zkit"  # DeepSpeed's release whose API this follows, labelled as zkit's
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
 version = __version__
 __git_hash__ = __git_branch__ = None

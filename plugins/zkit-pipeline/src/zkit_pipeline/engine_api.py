@@ -25,8 +25,15 @@ RUNNER: StashKey[Any] = StashKey()
 
 
 def setup(engine: Any) -> None:
-    """Called when an engine is built: grid-wide gradient norm, the pipeline runner."""
+    """Called when an engine is built: grid-wide gradient norm, the pipeline runner, and the
+    activation checkpointing section applied with the model's tensor-parallel group (the config
+    alone turns ``partition_activations`` on, as DeepSpeed's does with its mpu)."""
     module = engine.module
+    tensor_group = _tensor_group(module)
+    if tensor_group is not None and engine.config.activation_checkpointing.partition_activations:
+        from zkit import checkpointing
+
+        checkpointing.configure(engine, group=tensor_group)
     if isinstance(module, TensorParallelModule):
         from zkit.builtin.comm_torch import TorchCommunicator
 
@@ -36,6 +43,15 @@ def setup(engine: Any) -> None:
     elif isinstance(module, PipelineModule):
         if module.grid is not None and module.grid.degree("pipe") * module.grid.degree("tensor") > 1:
             runner(engine)  # collective: every rank builds it at setup, not at its first batch
+
+
+def _tensor_group(module: Any) -> Any:
+    """The torch process group of the model's tensor-parallel ranks, or None."""
+    if isinstance(module, TensorParallelModule):
+        return module.grid_groups["tensor"]
+    if isinstance(module, PipelineModule) and module.grid is not None:
+        return module.grid_groups["tensor"]
+    return None
 
 
 def runner(engine: Any) -> Any:

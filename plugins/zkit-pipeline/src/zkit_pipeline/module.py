@@ -19,8 +19,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from zkit.checkpointing import checkpoint
 from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
 from zkit_pipeline.topology import ProcessGrid
 
@@ -84,7 +84,9 @@ class PipelineModule(nn.Module):
     ``virtual_stages = v`` the layers are cut into ``num_stages * v`` parts and this stage holds
     parts ``stage_id, stage_id + p, ...`` (for interleaved schedules).
     ``activation_checkpoint_interval = k > 0`` recomputes each run of ``k`` layers in backward
-    instead of keeping its activations.
+    instead of keeping its activations, through :func:`zkit.checkpointing.checkpoint`: the
+    engine's ``activation_checkpointing`` section applies (``cpu_checkpointing``, ``profile``, and
+    ``partition_activations`` over the stage's tensor-parallel ranks).
 
     ``stage_id`` defaults to this rank's pipe coordinate in ``topology`` (needs torch.distributed);
     ``topology`` defaults to ``ProcessGrid(pipe=num_stages, data=world // num_stages)``.
@@ -209,7 +211,9 @@ class PipelineModule(nn.Module):
                 x = f(x)
             return x
         for i in range(0, len(funcs), k):
-            x = checkpoint(_run_all, funcs[i : i + k], x, use_reentrant=False)
+            # zkit's checkpoint: the engine's activation_checkpointing section applies (CPU copies,
+            # partitioned inputs over the tensor-parallel group, the profile)
+            x = checkpoint(_run_all, funcs[i : i + k], x, use_reentrant=False, name=f"pipeline layers {i}-{i + k - 1}")
         return x
 
     def forward(self, x: Any) -> Any:

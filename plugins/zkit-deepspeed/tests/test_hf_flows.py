@@ -1,0 +1,127 @@
+"""Hugging Face Trainer and Accelerate, unmodified, on zkit through the ``deepspeed`` drop-in.
+
+``hf_flows.py`` runs once on 2 CPU ranks with this environment's ``deepspeed`` (the drop-in) and,
+when ``.venv-peers`` holds a real DeepSpeed, once more there; every flow's losses must equal the
+real DeepSpeed's within 1e-4 relative (fp32, dropout off, same data order). Without the peer
+environment the zkit side still runs and checks what needs no reference: resume continues the
+losses exactly, the saved weights are finite and the learning-rate schedule is transformers'.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[2]
+PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+FLOWS = [
+    "trainer:gpt2:0", "trainer:gpt2:2", "trainer:gpt2:3",
+    "trainer:bert:0", "trainer:bert:2", "trainer:bert:3",
+    "trainer_own:gpt2:2", "trainer_own:bert:3",
+    "accelerate:gpt2:0", "accelerate:gpt2:2", "accelerate:gpt2:3", "accelerate:bert:3",
+]
+#: `accelerate launch` configures the DeepSpeed plugin from its flags (one more process launch)
+LAUNCHED = "launch:gpt2:3"
+LAUNCH_FLAGS = ["--use_deepspeed", "--num_processes", "2", "--num_machines", "1", "--zero_stage", "3",
+                "--zero3_init_flag", "true", "--zero3_save_16bit_model", "true", "--gradient_accumulation_steps",
+                "2", "--mixed_precision", "no", "--dynamo_backend", "no"]
+RTOL = 1e-4
+TIMEOUT = 900
+
+
+def _run(command: list[str], out: Path, env: dict[str, str], flows: list[str]) -> dict:
+    # The working directory is on a ``python -m`` process's path: no directory in it may be named
+    # like a package (an output directory "zkit" or "deepspeed" would shadow the real one).
+    proc = subprocess.run(command + [str(HERE / "hf_flows.py"), "--out", str(out), *flows], env=env,
+                          capture_output=True, text=True, timeout=TIMEOUT, cwd=out.parent)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        raise AssertionError(f"{' '.join(command[:4])} ... failed with exit code {proc.returncode}:\n{tail}")
+    return json.loads((out / "results.json").read_text())
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1",
+               PYTHONWARNINGS="ignore", **extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def zkit_results(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("hf")
+    results = _run([sys.executable, "-m", "zkit.cli", "run", "--nproc", "2"], root / "out-zkit", _env(), FLOWS)
+    launched = _run([sys.executable, "-m", "accelerate.commands.launch", *LAUNCH_FLAGS], root / "out-zkit-launch",
+                    _env(), [LAUNCHED])
+    return {**results, LAUNCHED: launched[LAUNCHED]}
+
+
+def _peer_deepspeed() -> str | None:
+    """Why the peer environment cannot give a reference, or None when it can."""
+    if not PEER_PYTHON.exists():
+        return f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist"
+    probe = subprocess.run([str(PEER_PYTHON), "-c", "import deepspeed, transformers, accelerate"],
+                           env=_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+        return f"no real DeepSpeed to compare with: {PEER_PYTHON} cannot import deepspeed ({last})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def peer_results(tmp_path_factory) -> dict:
+    reason = _peer_deepspeed()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("hf")
+    env = _env(DS_ACCELERATOR="cpu")
+    results = _run([str(PEER_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2"], root / "out-deepspeed",
+                   env, FLOWS)
+    launched = _run([str(PEER_PYTHON), "-m", "accelerate.commands.launch", *LAUNCH_FLAGS], root / "out-deepspeed-launch",
+                    env, [LAUNCHED])
+    return {**results, LAUNCHED: launched[LAUNCHED]}
+
+
+def test_dropin_ran(zkit_results):
+    assert zkit_results["deepspeed"]["version"].endswith("+zkit")
+
+
+@pytest.mark.parametrize("flow", [f for f in FLOWS if f.startswith("trainer")])
+def test_trainer_resume_and_save(zkit_results, flow):
+    run = zkit_results[flow]
+    assert len(run["losses"]) == 4 and all(math.isfinite(x) for x in run["losses"])
+    # resuming from checkpoint-2 replays steps 3 and 4 exactly
+    assert run["resumed"] == run["losses"][2:]
+    # the learning rate after each step: DeepSpeed's WarmupDecayLR (log warm-up over 2 steps from
+    # 0, linear decay to step 4) or the Trainer's own linear schedule
+    expected = [0.0, 1e-3, 2e-3, 1e-3] if flow.startswith("trainer_own") else [0.0, 2e-3, 2e-3, 1e-3]
+    assert run["lr"] == pytest.approx(expected)
+    assert all(math.isfinite(s) and q > 0 for s, q in run["saved"].values())
+
+
+@pytest.mark.parametrize("flow", FLOWS + [LAUNCHED])
+def test_losses_equal_real_deepspeed(zkit_results, peer_results, flow):
+    ours, theirs = zkit_results[flow], peer_results[flow]
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=RTOL)
+    for key in ("lr", "resumed"):
+        if key in theirs:
+            assert ours[key] == pytest.approx(theirs[key], rel=RTOL), key
+    # DeepSpeed reports no gradient norm at stage 0 (None); zkit reports it at every stage
+    for mine, real in zip(ours.get("grad_norm", []), theirs.get("grad_norm", [])):
+        assert real is None or mine == pytest.approx(real, rel=RTOL)
+    # what save_model / get_state_dict wrote: the same tensors with the same values. The sum of
+    # squares is the sharp test (weight decay on a norm's weight moves it by ~1e-4 in 4 steps); the
+    # abs terms cover biases that stay near zero (BERT's key bias gets no gradient at all).
+    assert sorted(ours["saved"]) == sorted(theirs["saved"])
+    for name, (total, squares) in theirs["saved"].items():
+        assert ours["saved"][name][0] == pytest.approx(total, rel=1e-4, abs=1e-6), name
+        assert ours["saved"][name][1] == pytest.approx(squares, rel=1e-5, abs=1e-9), name

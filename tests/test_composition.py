@@ -1,0 +1,58 @@
+"""Composition as a property: every pair of features matches its reference or is refused at
+initialize with an error naming both (the matrix is declared in tests/composition.py)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import composition as matrix
+import composition_ranks
+from zkit.testing import run_ranks
+
+pytest.importorskip("zkit_offload")
+pytest.importorskip("zkit_onebit")
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
+CELLS = [p for p in matrix.pairs() if p not in matrix.NOT_A_COMBINATION]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict:
+    references = sorted({matrix.reference_of(p) for p in CELLS if matrix.expected(p) == "matches"})
+    one_setting = [p for p in matrix.NOT_A_COMBINATION if p in matrix.REFUSED]
+    cells = [*references, *CELLS, *one_setting]
+    nvme = tmp_path_factory.mktemp("nvme")
+    return run_ranks(composition_ranks.run_cells, 2, args=(cells, str(nvme)), timeout=900)[0]
+
+
+@pytest.mark.parametrize("pair", CELLS, ids=lambda p: "x".join(p))
+def test_pair(results, pair):
+    got = results[pair]
+    assert "crashed" not in got, f"{pair} was accepted at initialize and crashed later:\n{got.get('crashed')}"
+    if matrix.expected(pair) == "refused":
+        assert "refused" in got, f"{pair} is declared refused but trained"
+        for word in matrix.REFUSED[pair][1]:
+            assert word.lower() in got["refused"].lower(), (pair, got["refused"])
+        return
+    assert "refused" not in got, f"{pair} is declared to work but initialize refused it: {got['refused']}"
+    reference = results[matrix.reference_of(pair)]
+    assert "params" in reference, (matrix.reference_of(pair), reference)
+    tol = matrix.tolerance(pair)
+    for a, b in zip(got["params"], reference["params"]):
+        scale = b.abs().max().clamp_min(1e-3)
+        assert ((a - b).abs().max() / scale).item() <= tol, (pair, (a - b).abs().max().item(), scale.item())
+
+
+@pytest.mark.parametrize("pair", sorted(p for p in matrix.NOT_A_COMBINATION if p in matrix.REFUSED),
+                         ids=lambda p: "x".join(p))
+def test_two_values_of_one_setting_are_refused(results, pair):
+    assert "refused" in results[pair]
+    for word in matrix.REFUSED[pair][1]:
+        assert word.lower() in results[pair]["refused"].lower(), (pair, results[pair]["refused"])
+
+
+def test_compatibility_page_is_the_matrix():
+    assert DOCS.read_text(encoding="utf-8") == matrix.markdown(), (
+        "docs/compatibility.md is stale: run python tests/composition.py > docs/compatibility.md"
+    )

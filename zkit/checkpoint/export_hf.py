@@ -1,0 +1,144 @@
+"""A checkpoint as a Hugging Face ``save_pretrained`` directory: ``config.json`` and the weights as
+safetensors, sharded with an index when they exceed one shard, so that
+``AutoModel.from_pretrained(dir)`` (or the model's own class) loads them.
+
+    write_hf_pretrained("ckpt", "export/", config="path/to/model_dir_or_config.json", dtype="bf16")
+
+Written the way :mod:`zkit.checkpoint.consolidate` writes one file: every shard's layout is fixed
+first and its tensors streamed in at their offsets, so memory stays near one chunk whatever the
+model's size. As ``save_pretrained`` does, a tied weight is written once, under the name the model
+reaches it by first (``transformer.wte.weight``, not ``lm_head.weight``); ``from_pretrained`` ties it
+again from the config. The checkpoint itself does not know the model's configuration, so
+``config`` names it: a ``save_pretrained`` directory (its ``config.json`` and, when there,
+``generation_config.json`` are copied) or a ``config.json`` file.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import attrs
+
+from zkit.checkpoint.consolidate import (
+    DTYPES, _Entry, _checkpoint_directory, _entries, _fill, _piece_sources, _safetensors_layout, _source,
+)
+from zkit.checkpoint.errors import CheckpointError
+
+#: ``save_pretrained``'s file names
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG_FILES = ("config.json", "generation_config.json")
+#: the largest shard, in bytes of tensor data (``save_pretrained``'s ``max_shard_size`` default)
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+
+
+@attrs.frozen
+class Exported:
+    """What :func:`write_hf_pretrained` wrote."""
+
+    directory: Path
+    shards: tuple[str, ...]
+    tensors: int
+    #: tied names left out (the model ties them again when it loads)
+    tied: tuple[str, ...]
+    nbytes: int
+    dtype: str
+
+
+def _config_files(config: str | os.PathLike[str]) -> list[tuple[Path, str]]:
+    """``(source, name in the export)`` of the configuration files."""
+    src = Path(config)
+    if src.is_dir():
+        if not (src / "config.json").is_file():
+            raise CheckpointError(f"{src}: no config.json (give a save_pretrained directory or a config.json file)")
+        return [(src / name, name) for name in CONFIG_FILES if (src / name).is_file()]
+    if src.is_file() and src.suffix == ".json":
+        try:
+            json.loads(src.read_text())
+        except ValueError as exc:
+            raise CheckpointError(f"{src}: not valid JSON ({exc})") from None
+        return [(src, "config.json")]
+    raise CheckpointError(f"{src}: not a directory with config.json nor a .json file")
+
+
+def _shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+    """Entries in order, cut into shards of at most ``max_bytes`` (a larger tensor alone)."""
+    shards: list[list[_Entry]] = [[]]
+    size = 0
+    for e in entries:
+        if shards[-1] and size + e.nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(e)
+        size += e.nbytes
+    return shards
+
+
+def write_hf_pretrained(
+    checkpoint_dir: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    config: str | os.PathLike[str],
+    tag: str | None = None,
+    dtype: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Exported:
+    """Write the checkpoint (zkit's, or DeepSpeed's) at ``checkpoint_dir`` as a ``save_pretrained``
+    directory ``out_dir``; ``dtype`` ("fp32", "fp16", "bf16") for floating-point tensors. The
+    directory is written next to ``out_dir`` and renamed into place whole."""
+    if sys.byteorder != "little":
+        raise CheckpointError("safetensors output is little-endian; export on a little-endian machine")
+    if max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
+    dtype_name = "fp32" if dtype is None else dtype
+    if dtype_name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
+    config_files = _config_files(config)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out}: exists and is not empty; export into a new directory")
+
+    where = _checkpoint_directory(Path(checkpoint_dir), tag)
+    files = _source(where)
+    meta = files.meta
+    if "parts" in meta:
+        raise CheckpointError(f"{where}: the checkpoint holds a model split into model-parallel parts; export one "
+                              f"part's directory, e.g. {where / meta['parts'][0]}")
+    sources = _piece_sources(meta, where)
+    first = files.extras()
+    extras = {name: (tuple(t.shape), t.dtype) for name, t in first.items()}
+    del first
+    entries = _entries(meta, extras, DTYPES[dtype_name], where)
+    kept = [e for e in entries if e.name == e.canonical]  # a tied alias is the model's to re-tie
+    tied = tuple(e.name for e in entries if e.name != e.canonical)
+    shards = _shards(kept, max_shard_bytes)
+    names = [WEIGHTS] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
+    ]
+    checksums = meta.get("checksums") if meta.get("version", 1) >= 2 else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        for name, shard in zip(names, shards):
+            offsets = _safetensors_layout(staging / name, shard)
+            _fill(staging / name, shard, offsets, sources, files, checksums)
+        if len(shards) > 1:
+            index = {
+                "metadata": {"total_size": sum(e.nbytes for e in kept)},
+                "weight_map": {e.name: name for name, shard in zip(names, shards) for e in shard},
+            }
+            (staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        for source, name in config_files:
+            shutil.copyfile(source, staging / name)
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return Exported(directory=out, shards=tuple(names), tensors=len(kept), tied=tied,
+                    nbytes=sum(e.nbytes for e in kept), dtype=dtype_name)
