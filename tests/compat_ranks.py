@@ -112,3 +112,38 @@ def full_state_by_parameter(stage: int) -> dict:
     out["after_set_master"] = utils.safe_get_full_fp32_param(w)
     engine.close()
     return out
+
+
+def checkpoint_edge_cases(tmp: str, stage: int) -> dict:
+    """DeepSpeed's ZeRO save/load edge cases: save before any step, load right after building,
+    and save in the middle of gradient accumulation (a backward not at a boundary)."""
+    import zkit
+
+    def build():
+        torch.manual_seed(0)
+        engine, *_ = zkit.initialize(model=_Net(), config={
+            "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+            "zero_optimization": {"stage": stage}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}})
+        return engine
+
+    out = {}
+    engine = build()
+    engine.save_checkpoint(f"{tmp}/immediate")  # no step taken yet
+    fresh = build()
+    fresh.load_checkpoint(f"{tmp}/immediate")  # and loaded before any step
+    out["immediate"] = fresh.global_steps
+    fresh.close()
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(engine.global_rank))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()  # micro-step 1 of 2: not a boundary
+    out["boundary_before_save"] = engine.is_gradient_accumulation_boundary()
+    engine.save_checkpoint(f"{tmp}/mid")
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()  # the boundary: the accumulated step goes on after the save
+    out["steps_after"] = engine.global_steps
+    engine.close()
+    again = build()
+    again.load_checkpoint(f"{tmp}/mid")
+    out["loaded_micro_steps"] = again.micro_steps
+    again.close()
+    return out

@@ -208,3 +208,32 @@ def test_full_state_of_a_parameter_no_engine_trains():
 
     with pytest.raises(ValueError, match="not trained by a live zkit engine"):
         safe_get_full_fp32_param(torch.nn.Parameter(torch.ones(2)))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeeds_checkpoint_edge_cases(tmp_path, stage):
+    """As DeepSpeed's TestZeROSaveLoadEdgeCase: immediate save and load, and a save before the
+    accumulation of a step is done (the partial gradients are not saved; training goes on)."""
+    for r in run_ranks(compat_ranks.checkpoint_edge_cases, 2, args=(str(tmp_path), stage)):
+        assert r["immediate"] == 0
+        assert r["boundary_before_save"] is True  # the next micro-step ends the batch
+        assert r["steps_after"] == 1
+        assert r["loaded_micro_steps"] == 1
+
+
+def test_moe_helpers_without_experts_and_refusals():
+    """DeepSpeedExamples' CIFAR script imports deepspeed.moe.utils unconditionally: without
+    expert parameters the groups come back as DeepSpeed returns them; experts are refused."""
+    from zkit.compat.deepspeed.moe.layer import MoE
+    from zkit.compat.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+
+    lin = torch.nn.Linear(2, 2)
+    group = {"params": list(lin.parameters()), "name": "parameters"}
+    assert split(group) == [group] and split((group,)) == [group]
+    with pytest.raises(ValueError, match="Unknown param group type"):
+        split("params")
+    lin.weight.allreduce = False  # how DeepSpeed marks an expert's parameter
+    with pytest.raises(NotImplementedError, match="no mixture-of-experts"):
+        split([group])
+    with pytest.raises(NotImplementedError, match="MoE is not supported by zkit"):
+        MoE(hidden_size=4, expert=lin, num_experts=2)

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from zkit.compat.deepspeed import accelerator, checkpointing, comm, ops, runtime, utils, zero
+from zkit.compat.deepspeed import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
 from zkit.compat.deepspeed.accelerator import get_accelerator
 from zkit.compat.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from zkit.compat.deepspeed.runtime.engine import DeepSpeedEngine
@@ -28,7 +28,7 @@ __git_hash__ = __git_branch__ = None
 __all__ = [
     "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "TORCH_DISTRIBUTED_DEFAULT_PORT", "accelerator",
     "add_config_arguments", "checkpointing", "comm", "get_accelerator", "init_distributed", "init_inference",
-    "initialize", "log_dist", "logger", "ops", "runtime", "utils", "zero",
+    "initialize", "log_dist", "logger", "moe", "ops", "runtime", "utils", "zero",
 ]
 
 
