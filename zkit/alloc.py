@@ -48,6 +48,10 @@ class Allocator(abc.ABC):
         an optimizer this allocator cannot step: raise ``ValueError`` naming ``name`` (the
         optimizer record's) and what it lacks. Default: every optimizer is fine."""
 
+    def close(self) -> None:
+        """Release what the allocator holds beyond its buffers (swap files, threads); the engine
+        calls it once from ``engine.close()``. Default: nothing to release."""
+
     def pin(self, purpose: str) -> bool:
         """Whether host buffers of ``purpose`` should be page-locked (only meaningful with CUDA)."""
         return False

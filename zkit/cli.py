@@ -3,7 +3,8 @@
     zkit run --nproc 2 train.py --my-arg 1        # launch ranks with torch.distributed's own launcher
     zkit -p no:offload plugins                    # block a plugin, list what every family offers
     zkit report                                   # versions, backends, kernels, plugins
-    zkit consolidate ckpt model.safetensors       # a sharded checkpoint as one state dict
+    zkit consolidate ckpt model.safetensors       # a sharded checkpoint (zkit's or DeepSpeed's) as one state dict
+    zkit consolidate ckpt out --format hf --hf-config config.json   # a save_pretrained directory
     zkit estimate --preset gpt2-350m --batch 8    # per-rank memory of every stage/offload/dtype
 """
 from __future__ import annotations
@@ -49,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("script")
     run.add_argument("script_args", nargs=argparse.REMAINDER)
 
-    cons = sub.add_parser("consolidate", help="write a sharded checkpoint as one state dict (.pt, .bin or .safetensors)")
+    cons = sub.add_parser("consolidate", help="write a sharded checkpoint (zkit's or DeepSpeed's) as one state dict "
+                                              "(.pt, .bin or .safetensors) or a Hugging Face or DCP directory")
     cons.add_argument("checkpoint", help="the directory given to save_checkpoint, or one tag's directory")
     cons.add_argument("out", help="output file: .pt or .bin (torch.load) or .safetensors; a directory with --format "
                                   "hf or dcp")

@@ -87,17 +87,29 @@ class Communicator(abc.ABC):
 
     # -- collectives --------------------------------------------------------------------------
     @abc.abstractmethod
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False) -> Handle | None:
-        """Reduce ``tensor`` in place across ranks."""
+    def all_reduce(
+        self, tensor: torch.Tensor, op: str = "sum", async_op: bool = False, key: str | None = None
+    ) -> Handle | None:
+        """Reduce ``tensor`` in place across ranks.
+
+        ``key`` names what is reduced, the same name every step (a partitioner passes its
+        gradient unit: ``"grad/3"``), for communicators that keep state per reduced tensor (error
+        feedback of a compressing communicator); the tensor itself may be a scratch buffer that
+        carries another unit next time. Others ignore it."""
 
     @abc.abstractmethod
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, op: str = "sum", async_op: bool = False
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        op: str = "sum",
+        async_op: bool = False,
+        key: str | None = None,
     ) -> Handle | None:
         """Reduce flat ``input`` (``world_size * output.numel()`` elements) across ranks; rank r
         receives chunk r in ``output``. ``input`` is the collective's to use: afterwards its chunks
         other than this rank's are undefined (a backend may reduce in place). ``output`` may be
-        this rank's own chunk of ``input``."""
+        this rank's own chunk of ``input``. ``key`` as for :meth:`all_reduce`."""
 
     @abc.abstractmethod
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Handle | None:

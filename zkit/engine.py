@@ -23,6 +23,7 @@ import torch
 
 from zkit import diagnostics, distributed
 from zkit.config import ZkitConfig, load_config
+from zkit.microstep import MicroStep
 from zkit.partition import PartitionContext, Partitioner
 from zkit.plugins import ZkitPluginManager, get_plugin_manager
 from zkit.precision import LossScaler, cast_model
@@ -107,6 +108,8 @@ class Engine(torch.nn.Module):
         self.pm: ZkitPluginManager = get_plugin_manager(extra_plugins=stack.plugins)
         #: plugins' per-engine state (``engine.stash[key]``, see :mod:`zkit.stash`)
         self.stash = Stash()
+        #: what runs around every backward, here and in schedules that drive their own micro-batches
+        self.micro_step_protocol = MicroStep(self)
         # A model that brings its own data-parallel group (a pipeline stage's replicas) trains over
         # that group: batch arithmetic and the partitioner's collectives use it, not the world.
         dp_group = getattr(model, "data_parallel_group", None)
@@ -404,17 +407,12 @@ class Engine(torch.nn.Module):
             raise RuntimeError(_NO_OPTIMIZER)
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
-        self.pm.hook.zkit_before_backward(engine=self, loss=loss)
         self._losses.append(loss.detach().float())
-        scaled = loss.float() * self.loss_scaler.scale if self.loss_scaler.enabled else loss
-        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
-            scaled = scaled / self.gradient_accumulation_steps()
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        micro = self.micro_step_protocol  # the hooks and the partitioner's reduction around it
         with self.wall_clock.time("backward"), diagnostics.phase("backward"):
-            with self.partitioner.backward_context(boundary), self.step_probe.backward():
-                scaled.backward(retain_graph=retain_graph)
-            self.partitioner.after_backward(boundary)
-        self.pm.hook.zkit_after_backward(engine=self)
+            with micro.backward(loss, boundary), self.step_probe.backward():
+                micro.scale(loss, divide_by_accumulation=scale_wrt_gas).backward(retain_graph=retain_graph)
         return loss
 
     def step(self) -> None:
@@ -466,7 +464,7 @@ class Engine(torch.nn.Module):
         # The global norm costs a pass over the gradients and an all-reduce: only when fp16 needs
         # its overflow check, clipping needs the norm, or the user asked for it.
         needs_norm = self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
-        norm = float(self.partitioner.grad_norm()) if needs_norm else 0.0
+        norm = float(self.pm.hook.zkit_grad_norm(engine=self)) if needs_norm else 0.0
         # Without a norm, a non-finite loss on any rank is the cheap sign of non-finite gradients.
         overflow = not math.isfinite(norm) if needs_norm else self._nonfinite_loss_on_any_rank()
         scale = self.loss_scaler.scale  # the scale this batch's gradients carry (1.0 unless fp16)
@@ -683,6 +681,7 @@ class Engine(torch.nn.Module):
         self.pm.hook.zkit_engine_close(engine=self)
         self.monitor.close()
         self.partitioner.close()
+        self.allocator.close()
         self.comm.close()
         if self.world_comm is not self.comm:
             self.world_comm.close()

@@ -164,13 +164,18 @@ def zkit_eval_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
 
 @hookspec
 def zkit_before_backward(engine: Engine, loss: Any) -> None:
-    """Called by ``engine.backward(loss)`` before the (scaled) loss is back-propagated."""
+    """Called before every backward pass that accumulates parameter gradients, by the one
+    micro-step protocol (:class:`zkit.microstep.MicroStep`) that ``engine.backward(loss)`` and
+    schedules driving their own micro-batches (a pipeline stage's backward instructions) share.
+    ``loss`` is the micro-batch's loss before scaling, or ``None`` on a pipeline stage that
+    back-propagates the gradient it received from the next stage."""
 
 
 @hookspec
 def zkit_after_backward(engine: Engine) -> None:
-    """Called by ``engine.backward(loss)`` after back-propagation and the partitioner's gradient
-    reduction for this micro-step have finished."""
+    """Called after every backward pass of the micro-step protocol (see
+    :func:`zkit_before_backward`), once back-propagation and the partitioner's gradient reduction
+    of this micro-step have finished."""
 
 
 @hookspec(firstresult=True)
@@ -182,6 +187,29 @@ def zkit_optimizer_step(engine: Engine) -> bool | None:
     global gradient norm and overflow check, loss-scale update, clipping, the partitioner's step,
     the LR schedule. Wrap it (``@hookimpl(wrapper=True)``) to time or profile the step; answer it
     to replace the step (a 1-bit optimizer that exchanges momentum instead of gradients)."""
+
+
+@hookspec(firstresult=True)
+def zkit_grad_norm(engine: Engine) -> Any:
+    """Return the global L2 norm of this batch's gradients, still multiplied by the loss scale,
+    as a 0-dim fp32 tensor; ``inf`` or ``nan`` when any rank has an overflow.
+
+    The engine asks at an accumulation boundary when it needs the norm: fp16's overflow check,
+    ``gradient_clipping``, or ``engine.track_grad_norm``. The built-in answer (``trylast``) is
+    ``engine.partitioner.grad_norm()``, the norm over the data-parallel group. A plugin that
+    changes what "global" means wraps it, so that several such plugins compose (each sees the
+    answer of those inside it)::
+
+        @zkit.hookimpl(wrapper=True)
+        def zkit_grad_norm(engine):
+            norm = yield          # the partitioner's norm, or the next wrapper's
+            sq = norm.float().reshape(1) ** 2
+            my_group_comm.all_reduce(sq, "sum")   # e.g. over the model-parallel ranks
+            return sq.sqrt()[0]
+
+    Every rank must return the same value (they skip and clip together) and issue the same
+    collectives. zkit-onebit's wrapper (``trylast``: innermost) averages the local norms while a
+    1-bit optimizer has reduction off; zkit-pipeline's sums over the pipeline and tensor ranks."""
 
 
 @hookspec

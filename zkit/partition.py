@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -66,6 +66,45 @@ class Piece:
     opt_param: torch.Tensor
 
 
+@attrs.frozen
+class GradPiece:
+    """The reduced gradient of the element range ``[start, end)`` of the flattened parameter
+    ``name`` that this rank owns (the same ranges as :meth:`Partitioner.pieces`)."""
+
+    name: str
+    start: int
+    end: int
+    #: a view of the partitioner's reduced gradient (model, communication or accumulation dtype),
+    #: still multiplied by the loss scale; read it, do not keep it past the step.
+    grad: torch.Tensor
+
+
+@runtime_checkable
+class ReducedGradients(Protocol):
+    """A partitioner that shows the gradients it reduced, for code that needs more than their
+    global norm (the grid-wide norm of a model split over tensor- or pipeline-parallel ranks
+    weighs replicated parameters). Valid between the last backward of a batch and the step."""
+
+    #: True when the ranks' pieces add up to the whole model (ZeRO 1-3); False when every rank
+    #: holds every piece (ZeRO 0).
+    shards_states: bool
+
+    def reduced_grads(self) -> list[GradPiece]:
+        """This rank's reduced gradient pieces."""
+        ...
+
+
+@runtime_checkable
+class ReductionPolicy(Protocol):
+    """An optimizer that says, step by step, whether the gradients reaching it must be reduced
+    over the data-parallel ranks (1-bit Adam's compressed momentum steps and 0/1 Adam's local
+    steps exchange something else, or nothing). The partitioner asks its optimizer; an optimizer
+    without this property always gets reduced gradients."""
+
+    @property
+    def needs_gradient_reduction(self) -> bool: ...
+
+
 class Partitioner(abc.ABC):
     """Base class of every partitioner. See the module docstring for the call order."""
 
@@ -78,6 +117,13 @@ class Partitioner(abc.ABC):
         self.comm = ctx.comm
         self.allocator = ctx.allocator
         self.optimizer: torch.optim.Optimizer  # set by subclasses
+
+    @property
+    def gradient_reduction(self) -> bool:
+        """Whether gradients are reduced over the ranks for the coming step: yes, unless the
+        optimizer is a :class:`ReductionPolicy` that needs none now."""
+        optimizer = getattr(self, "optimizer", None)  # None while a subclass is being built
+        return not isinstance(optimizer, ReductionPolicy) or optimizer.needs_gradient_reduction
 
     # -- forward / backward ----------------------------------------------------------------------
     def forward_context(self) -> contextlib.AbstractContextManager:

@@ -98,12 +98,15 @@ class OptimizerRecord(Record):
       loads into an optimizer of the same format only (torch's Adam and AdamW and zkit-offload's
       CPU Adams share ``"adam"``: moments with Adam's meaning); ``None`` means this record's own
       name. 1-bit Adam's frozen variance is not Adam's second moment, so it has its own format.
+    * ``communicator``: the communicator record the optimizer exchanges through (1-bit Adam's
+      ``"onebit"``), chosen for it unless the user's stack names one.
     """
 
     state_names: tuple[str, ...] = ()
     elementwise: bool = True
     devices: tuple[str, ...] = ("cpu", "cuda")
     state_format: str | None = None
+    communicator: str | None = None
 
     @property
     def saved_state_format(self) -> str:

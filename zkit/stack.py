@@ -92,7 +92,8 @@ def _config_choice(family: str, config: "ZkitConfig") -> str | None:
 
 
 def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict[str, Record | None]:
-    """The record of every family: the stack's choice, else the config's, else the default."""
+    """The record of every family: the stack's choice, else the config's (else the optimizer's
+    own communicator), else the default."""
     out: dict[str, Record | None] = {}
     for family in FAMILIES:
         choice = getattr(stack, family)
@@ -104,6 +105,9 @@ def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict
             out[family] = choice
         else:
             out[family] = pm.lookup(family, choice)
+    optimizer = out["optimizer"]
+    if optimizer is not None and optimizer.communicator and stack.communicator is None:
+        out["communicator"] = pm.lookup("communicator", optimizer.communicator)  # what it exchanges through
     return out
 
 

@@ -121,7 +121,7 @@ class TorchCommunicator(Communicator):
             return work, (lambda w: _AvgHandle(w, tensor, self.world_size))
         return work, None
 
-    def all_reduce(self, tensor, op="sum", async_op=False):
+    def all_reduce(self, tensor, op="sum", async_op=False, key=None):
         self.account("all_reduce", self.ring_bytes("all_reduce", _nbytes(tensor)))
         self.fingerprints.record("all_reduce", tensor)
         if self.world_size == 1:
@@ -131,7 +131,7 @@ class TorchCommunicator(Communicator):
         )
         return self._finish(work, async_op, post)
 
-    def reduce_scatter(self, output, input, op="sum", async_op=False):
+    def reduce_scatter(self, output, input, op="sum", async_op=False, key=None):
         _check_sizes("reduce_scatter", output, input, self.world_size)
         self.account("reduce_scatter", self.ring_bytes("reduce_scatter", _nbytes(input)))
         self.fingerprints.record("reduce_scatter", input)

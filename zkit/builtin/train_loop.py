@@ -1,6 +1,6 @@
 """The default answers to the ``firstresult`` step hooks: one global batch as plain gradient
-accumulation, its forward-only evaluation, and the optimizer step of
-:meth:`zkit.engine.Engine.apply_step`."""
+accumulation, its forward-only evaluation, the optimizer step of
+:meth:`zkit.engine.Engine.apply_step`, and the partitioner's gradient norm."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -47,3 +47,8 @@ def zkit_eval_batch(engine, data_iter):
 @zkit.hookimpl(trylast=True)
 def zkit_optimizer_step(engine):
     return engine.apply_step()
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_grad_norm(engine):
+    return engine.partitioner.grad_norm()

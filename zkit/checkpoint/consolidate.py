@@ -124,14 +124,50 @@ def write_consolidated(
     suffix = out.suffix.lower()
     if suffix not in (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX):
         raise ValueError(f"{out} must end in .pt, .bin or .safetensors (got {out.suffix or 'no suffix'!r})")
+    plan = plan_consolidation(checkpoint_dir, tag=tag, dtype=dtype, safetensors=suffix == SAFETENSORS_SUFFIX)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        write_file(plan, plan.entries, staging / out.name)
+        os.replace(staging / out.name, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    distinct = {e.canonical: e for e in plan.entries}
+    stored = plan.entries if suffix == SAFETENSORS_SUFFIX else distinct.values()  # .pt: aliases share storage
+    return Consolidated(
+        path=out,
+        tensors=len(plan.entries),
+        distinct=len(distinct),
+        nbytes=sum(e.nbytes for e in stored),
+        source=plan.where,
+        dtype=plan.dtype,
+    )
+
+
+@attrs.frozen
+class Plan:
+    """What a consolidation writes (every tensor of the state dict, in order) and where each
+    tensor's values are read from; nothing is read yet."""
+
+    where: Path
+    files: "_RankFiles | _DeepSpeedFiles"
+    sources: dict[str, list[tuple[str, int, int]]]
+    entries: list[_Entry]
+    checksums: dict[str, dict[str, str]] | None
+    dtype: str
+
+
+def plan_consolidation(
+    checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None, dtype: str | None = None, safetensors: bool = True
+) -> Plan:
+    """Check the checkpoint (a zkit or a DeepSpeed one) covers every tensor once; plan the output."""
     dtype_name = "fp32" if dtype is None else dtype
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
-    if suffix == SAFETENSORS_SUFFIX and sys.byteorder != "little":
+    if safetensors and sys.byteorder != "little":
         raise CheckpointError(
-            f"{out}: safetensors output is little-endian; write a .pt file on this {sys.byteorder}-endian machine"
+            f"safetensors output is little-endian; write a .pt file on this {sys.byteorder}-endian machine"
         )
-
     where = _checkpoint_directory(Path(checkpoint_dir), tag)
     files = _source(where)
     meta = files.meta
@@ -145,31 +181,21 @@ def write_consolidated(
     first = files.extras()
     extras = {name: (tuple(t.shape), t.dtype) for name, t in first.items()}
     del first
-    entries = _entries(meta, extras, DTYPES[dtype_name], where)
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    tmp = staging / out.name  # same base name: a torch archive's records are named after it
-    try:
-        if suffix == SAFETENSORS_SUFFIX:
-            offsets = _safetensors_layout(tmp, entries)
-        else:
-            offsets = _torch_layout(tmp, entries)
-        # Damaged bytes are refused before the output replaces anything (the staging goes).
-        _fill(tmp, entries, offsets, sources, files, meta.get("checksums") if meta.get("version", 1) >= 2 else None)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    distinct = {e.canonical: e for e in entries}
-    stored = entries if suffix == SAFETENSORS_SUFFIX else distinct.values()  # .pt: aliases share storage
-    return Consolidated(
-        path=out,
-        tensors=len(entries),
-        distinct=len(distinct),
-        nbytes=sum(e.nbytes for e in stored),
-        source=where,
-        dtype=dtype_name,
+    return Plan(
+        where=where, files=files, sources=sources, entries=_entries(meta, extras, DTYPES[dtype_name], where),
+        checksums=meta.get("checksums") if meta.get("version", 1) >= 2 else None, dtype=dtype_name,
     )
+
+
+def write_file(plan: Plan, entries: list[_Entry], path: Path) -> None:
+    """Write ``entries`` (all of the plan's or a shard of them) to ``path``: safetensors or, for a
+    ``.pt``/``.bin`` name, a torch archive. Damaged bytes are refused before anything is renamed
+    into place by the caller."""
+    if path.suffix.lower() == SAFETENSORS_SUFFIX:
+        offsets = _safetensors_layout(path, entries)
+    else:
+        offsets = _torch_layout(path, entries)  # records are named after the file's base name
+    _fill(path, entries, offsets, plan.sources, plan.files, plan.checksums)
 
 
 def _checkpoint_directory(root: Path, tag: str | None) -> Path:

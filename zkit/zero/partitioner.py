@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from zkit.optim.fused_step import FusedStepOptimizer
-from zkit.partition import PartitionContext, Partitioner, Piece
+from zkit.partition import GradPiece, PartitionContext, Partitioner, Piece
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.param_refresh import ParamRefresh
 from zkit.zero import full_state
@@ -67,8 +67,6 @@ class ZeroPartitioner(Partitioner):
             )
         self.rank = self.comm.rank if self.shards_states else 0
         self.world = self.comm.world_size if self.shards_states else 1
-        #: plugins (1-bit optimizers) may switch gradient reduction off.
-        self.gradient_reduction = True
         self.reduce_op, self.pre_scale, self.post_scale = _gradient_averaging(ctx.config, self.comm.world_size)
 
         named = list(self.named_trainable())
@@ -218,6 +216,19 @@ class ZeroPartitioner(Partitioner):
     def _grad_shards(self) -> list[torch.Tensor]:
         """Per unit, the reduced gradient of this rank's shard (model or communication dtype)."""
         raise NotImplementedError
+
+    def reduced_grads(self) -> list[GradPiece]:
+        """This rank's reduced gradient pieces (:class:`zkit.partition.ReducedGradients`)."""
+        shards = self._grad_shards()
+        return [
+            GradPiece(name=piece.slot.name, start=piece.param_start, end=piece.param_end, grad=shards[u][a:b])
+            for _, u, a, b, piece in self.owned
+        ]
+
+    def unit_key(self, unit: int) -> str:
+        """The name of a gradient unit's reduction, the same every step and after a restart (a
+        communicator keeping per-tensor state keys it by this, not by the scratch bucket)."""
+        return f"grad/{unit}"
 
     # -- step ------------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:

@@ -12,7 +12,7 @@ class Stage0(FullGradientPartitioner):
     shards_states = False
 
     def _launch(self, unit: int):
-        return self.comm.all_reduce(self._comm_buffer(unit), self.reduce_op, async_op=True)
+        return self.comm.all_reduce(self._comm_buffer(unit), self.reduce_op, async_op=True, key=self.unit_key(unit))
 
     def _reduced(self, unit: int, buf: torch.Tensor) -> torch.Tensor:
         return buf

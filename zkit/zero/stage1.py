@@ -25,7 +25,7 @@ class Stage1(FullGradientPartitioner):
         src = self._comm_buffer(unit)
         lo, hi = self.units[unit].shard_range(self.rank)
         # In place: the output is this rank's own chunk of the input (gloo and NCCL allow it).
-        return self.comm.reduce_scatter(src[lo:hi], src, self.reduce_op, async_op=True)
+        return self.comm.reduce_scatter(src[lo:hi], src, self.reduce_op, async_op=True, key=self.unit_key(unit))
 
     def _reduced(self, unit: int, buf: torch.Tensor) -> torch.Tensor:
         lo, hi = self.units[unit].shard_range(self.rank)

@@ -94,7 +94,7 @@ class Stage2(ZeroPartitioner):
             if target.data_ptr() != flat.data_ptr():  # else the chunk is the whole bucket already
                 target.copy_(flat)
             return None
-        return self.comm.reduce_scatter(target, flat, self.reduce_op, async_op=True)
+        return self.comm.reduce_scatter(target, flat, self.reduce_op, async_op=True, key=self.unit_key(unit))
 
     def _finish(self, unit: int) -> None:
         bucket, target = self._launched.pop(unit)

@@ -235,14 +235,14 @@ def zero1_run(freeze_step: int, steps: int) -> dict:
     rank, w = dist.get_rank(), dist.get_world_size()
     model = _model()
     flat_params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    part = FakeShardedPartitioner(TorchCommunicator(), flat_params.numel())
+    # the toy model is smaller than the default compression threshold
+    part = FakeShardedPartitioner(OneBitCommunicator(TorchCommunicator(), min_numel=1), flat_params.numel())
     part.flat[: flat_params.numel()] = flat_params
     with torch.no_grad():
         part.master.copy_(part.flat.view(w, -1)[rank])
     opt = OneBitAdam([part.master], lr=1e-2, freeze_step=freeze_step)
     opt.attach(part)
     wrapped = isinstance(part.comm, OneBitCommunicator)
-    part.comm.min_numel = 1  # the toy model is smaller than the default threshold
     compress_flags = []
     for step in range(steps):
         x, y = _batch(rank, step)

@@ -2,12 +2,15 @@
 registers its records."""
 from __future__ import annotations
 
+import types
 import warnings
 
 import pytest
 import torch
 
 from zkit.communicator import Communicator
+from zkit.partition import Partitioner
+from zkit.stash import Stash
 from zkit.plugins import PluginError, get_plugin_manager
 from zkit_onebit.adam import OneBitAdam, make_onebit_adam
 from zkit_onebit.communicator import OneBitCommunicator
@@ -103,34 +106,46 @@ def test_deepspeed_config_params_accepted():
 class _Partitioner:
     def __init__(self, stage, comm, local_norm=3.0):
         self.stage, self.comm = stage, comm
-        self.gradient_reduction = True
         self.local_norm = local_norm
+        self.optimizer = None
+
+    # the kernel's rule: reduce unless the optimizer says it needs no reduction now
+    gradient_reduction = Partitioner.gradient_reduction
 
     def grad_norm(self):
         return torch.tensor(self.local_norm)
 
 
+def _attached(opt, part):
+    part.optimizer = opt
+    opt.attach(part)
+    return part
+
+
 class _Summing(_Local):
     """Two ranks holding the same values: a sum all-reduce doubles them."""
 
-    def all_reduce(self, tensor, op="sum", async_op=False):
+    def all_reduce(self, tensor, op="sum", async_op=False, key=None):
         super().all_reduce(tensor, op)
         tensor.mul_(2)
 
 
 def test_stage0_grad_norm_is_agreed_on_while_reduction_is_off():
+    """The engine's norm goes through the zkit_grad_norm hook: the partitioner's answer, wrapped
+    by every installed plugin's wrapper (zkit-onebit's and zkit-pipeline's here)."""
     p = _params()
-    part = _Partitioner(0, _Summing(2))
     opt = OneBitAdam(p, freeze_step=1)
-    opt.attach(part)
-    assert part.grad_norm().item() == 3.0 and part.comm.calls == []  # reduced gradients: local norm is global
+    part = _attached(opt, _Partitioner(0, _Summing(2)))
+    engine = types.SimpleNamespace(partitioner=part, comm=part.comm, optimizer=opt, stash=Stash())
+    norm = get_plugin_manager().hook.zkit_grad_norm
+    assert norm(engine=engine).item() == 3.0 and part.comm.calls == []  # reduced gradients: local norm is global
     p[0].grad = torch.ones(4)
     opt.step()
     assert not part.gradient_reduction
-    assert part.grad_norm().item() == pytest.approx(3.0)  # sqrt((9 + 9) / 2)
+    assert norm(engine=engine).item() == pytest.approx(3.0)  # sqrt((9 + 9) / 2)
     assert part.comm.calls == ["all_reduce:sum"]
     part.local_norm = float("inf")
-    assert not torch.isfinite(part.grad_norm())  # an overflow anywhere is an overflow everywhere
+    assert not torch.isfinite(norm(engine=engine))  # an overflow anywhere is an overflow everywhere
 
 
 def test_zero3_refused():
@@ -139,17 +154,46 @@ def test_zero3_refused():
         opt.attach(_Partitioner(3, _Local(2)))
 
 
-def test_onebit_communicator_with_onebit_adam_refused():
+def test_onebit_adam_keeps_the_onebit_communicator_exact_until_its_freeze_step():
+    """The optimizer record asks the stack for the 'onebit' communicator; the optimizer decides
+    when it compresses (never at ZeRO 0, where momenta travel compressed instead)."""
+    p = _params()
+    opt = OneBitAdam(p, freeze_step=1)
+    part = _attached(opt, _Partitioner(0, OneBitCommunicator(_Local(2))))
+    assert part.comm.compress is False
     opt = OneBitAdam(_params(), freeze_step=1)
-    with pytest.raises(ValueError, match="cannot run over the 'onebit' communicator"):
-        opt.attach(_Partitioner(0, OneBitCommunicator(_Local(2))))
+    part = _attached(opt, _Partitioner(2, OneBitCommunicator(_Local(2))))
+    assert part.comm.compress is False and opt.needs_gradient_reduction
+    opt.param_groups[0]["params"][0].grad = torch.ones(4)
+    opt.step()
+    assert opt.frozen and part.comm.compress is True and part.gradient_reduction
+
+
+def test_stage2_refuses_a_communicator_that_is_not_onebit():
+    opt = OneBitAdam(_params(), freeze_step=5)
+    with pytest.raises(ValueError, match="OneBitAdam at ZeRO stage 2 reduces its gradients 1-bit compressed through the "
+                                         "'onebit' communicator, but this engine's communicator is a _Local"):
+        _attached(opt, _Partitioner(2, _Local(2)))
+
+
+def test_the_optimizer_record_chooses_its_communicator_unless_the_stack_does():
+    from zkit.config import load_config
+    from zkit.stack import Stack, configure
+
+    pm = get_plugin_manager()
+    config = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitAdam"},
+                          "zero_optimization": {"stage": 2}}, world_size=1, sections=pm.config_sections())
+    assert configure(pm, Stack(), config)[1]["communicator"].name == "onebit"
+    plain = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2}}, world_size=1,
+                        sections=pm.config_sections())
+    assert configure(pm, Stack(optimizer="onebitadam"), plain)[1]["communicator"].name == "onebit"
+    assert configure(pm, Stack(communicator="torch"), config)[1]["communicator"].name == "torch"
 
 
 def test_stage0_switches_gradient_reduction_off_at_freeze():
     p = _params()
     opt = OneBitAdam(p, freeze_step=2)
-    part = _Partitioner(0, _Local(1))
-    opt.attach(part)
+    part = _attached(opt, _Partitioner(0, _Local(1)))
     seen = []
     for _ in range(3):
         p[0].grad = torch.ones(4)
@@ -157,15 +201,6 @@ def test_stage0_switches_gradient_reduction_off_at_freeze():
         seen.append(part.gradient_reduction)
     assert seen == [True, False, False]
     assert opt.frozen and not part.gradient_reduction and not opt.needs_gradient_reduction
-
-
-def test_stage1_wraps_the_partitioner_communicator():
-    transport = _Local(2)
-    part = _Partitioner(1, transport)
-    opt = OneBitAdam(_params(), freeze_step=5)
-    opt.attach(part)
-    assert isinstance(part.comm, OneBitCommunicator) and part.comm.transport is transport
-    assert part.comm.compress is False and opt.needs_gradient_reduction
 
 
 def test_communicator_keeps_small_integer_and_max_reductions_exact():

@@ -115,7 +115,7 @@ def test_split_checkpoint_layout_mismatch_names_the_difference(tmp_path):
 def test_grid_norm_refuses_a_partitioner_without_gradient_pieces():
     import torch
 
-    from zkit_pipeline.grid_norm import install_grid_norm, replication_weights
+    from zkit_pipeline.grid_norm import GridNorm, replication_weights
 
     p = torch.nn.Parameter(torch.ones(2))
 
@@ -129,7 +129,7 @@ def test_grid_norm_refuses_a_partitioner_without_gradient_pieces():
     weights = replication_weights(torch.nn.ParameterList([p]), tensor_degree=2, tied_copies={})
     assert weights == {id(p): 0.5}
     with pytest.raises(ValueError, match="needs a ZeRO stage 0-2 partitioner"):
-        install_grid_norm(Opaque(), weights, None)
+        GridNorm(Opaque(), weights, None)
 
 
 def test_eval_batch_refuses_a_model_that_is_not_a_pipeline():

@@ -49,12 +49,15 @@ def load_deepspeed_checkpoint(
     lr_state = ckpt.model_state.get("lr_scheduler")
     if load_lr_scheduler_states and engine.lr_scheduler is not None and lr_state is not None:
         engine.lr_scheduler.load_state_dict(lr_state)
-    engine.global_steps = int(ckpt.model_state.get("global_steps", 0))
-    engine.global_samples = int(ckpt.model_state.get("global_samples", 0))
-    engine.skipped_steps = int(ckpt.model_state.get("skipped_steps", 0))
-    engine.micro_steps = engine.global_steps * engine.gradient_accumulation_steps()
-    if engine.loss_scaler.dynamic:
-        engine.loss_scaler.load_state_dict(ckpt.loss_scaler())
+    steps = int(ckpt.model_state.get("global_steps", 0))
+    engine.load_train_state_dict({
+        "global_steps": steps,
+        "global_samples": int(ckpt.model_state.get("global_samples", 0)),
+        "skipped_steps": int(ckpt.model_state.get("skipped_steps", 0)),
+        "micro_steps": steps * engine.gradient_accumulation_steps(),
+        # a static scale stays the config's; a dynamic one continues from DeepSpeed's
+        "loss_scaler": ckpt.loss_scaler() if engine.loss_scaler.dynamic else engine.loss_scaler.state_dict(),
+    })
     engine.partitioner.after_load()
     del filled  # after_load has stored them
     getattr(engine, "world_comm", engine.comm).barrier()

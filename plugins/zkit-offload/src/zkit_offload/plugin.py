@@ -157,13 +157,6 @@ def zkit_configure(config):
 
 
 @zkit.hookimpl
-def zkit_engine_close(engine):
-    allocator = getattr(engine, "allocator", None)
-    if allocator is not None and type(allocator).__module__ == "zkit_offload.allocators":
-        allocator.close()
-
-
-@zkit.hookimpl
 def zkit_report():
     yield "zkit-offload", "installed"
     try:

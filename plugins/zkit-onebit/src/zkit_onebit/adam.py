@@ -8,11 +8,14 @@ exchanged keeps the convergence. What is exchanged depends on how the states are
 
 * **ZeRO stage 0** (replicated states): each rank updates its momentum with its *local* gradient
   and the momenta are averaged with the two-phase compressed all-reduce (DeepSpeed's algorithm);
-  the partitioner's gradient reduction is switched off (``partitioner.gradient_reduction``).
+  the partitioner stops reducing gradients (it asks :attr:`OneBitAdam.needs_gradient_reduction`,
+  the :class:`zkit.partition.ReductionPolicy` protocol), and the engine's gradient norm becomes
+  the root mean square of the local norms (the plugin's ``zkit_grad_norm`` wrapper).
 * **ZeRO stages 1 and 2** (sharded optimizer states): a rank holds the momentum of its shard only,
   so it cannot compress a full local momentum. Instead the partitioner keeps reducing gradients,
-  through a :class:`~zkit_onebit.communicator.OneBitCommunicator` whose reduce-scatter (and
-  all-reduce) turns 1-bit at the freeze step, and each rank updates the momentum of its shard from
+  through the engine's :class:`~zkit_onebit.communicator.OneBitCommunicator` (the optimizer's
+  record asks the stack for the ``onebit`` communicator) whose reduce-scatter turns 1-bit at the
+  freeze step, and each rank updates the momentum of its shard from
   the reduced gradient with the variance frozen. With the variance frozen the step is linear in the
   gradients, so worker-side error feedback compensates the compression as it does for momenta.
   The parameter all-gather of ZeRO stays in the model's dtype. Stage 3 is refused.
@@ -133,32 +136,33 @@ class OneBitAdam(torch.optim.Optimizer):
         return not (self.frozen and self.exchange == "momentum")
 
     def attach(self, partitioner: Any) -> None:
-        """Bind to the engine's partitioner: choose what is exchanged from its ZeRO stage and make
-        sure gradient reduction follows the phase."""
-        stage = getattr(partitioner, "stage", 0) or 0
+        """Bind to the engine's partitioner: choose what is exchanged from its ZeRO stage. The
+        partitioner asks :attr:`needs_gradient_reduction` whether to reduce; at ZeRO 1 and 2 its
+        communicator (the ``onebit`` one, which the optimizer record asks the stack for) turns
+        1-bit at the freeze step."""
+        stage = partitioner.stage or 0
         name = type(self).__name__
         if stage >= 3:
             raise ValueError(
                 f"{name} supports ZeRO stages 0, 1 and 2, not stage {stage}: stage 3 gathers parameters "
                 f"layer by layer, and the compressed exchange needs the whole gradient of a step at once"
             )
-        comm = getattr(partitioner, "comm", None)
-        if isinstance(comm, OneBitCommunicator) and comm.compress:
-            raise ValueError(
-                f"{name} cannot run over the 'onebit' communicator: its warm-up needs full-precision "
-                f"gradients and it compresses on its own after freeze_step. Use the default communicator."
-            )
+        comm = partitioner.comm
         self.partitioner = partitioner
         if self.comm is None:
             self.comm = comm
         if stage == 0:
             self.exchange = "momentum"
-            _agree_on_grad_norm(partitioner)
+            if isinstance(comm, OneBitCommunicator):
+                comm.set_compression(False)  # warm-up gradients exact; then momenta, not gradients
         else:
-            self.exchange = "gradients"
             if not isinstance(comm, OneBitCommunicator):
-                comm = OneBitCommunicator(comm, compress=False, stage_on_host=self._stage_on_host(comm))
-                partitioner.comm = comm
+                raise ValueError(
+                    f"{name} at ZeRO stage {stage} reduces its gradients 1-bit compressed through the 'onebit' "
+                    f"communicator, but this engine's communicator is a {type(comm).__name__} (chosen with "
+                    f"zkit.Stack(communicator=...)); leave the communicator unchosen or choose 'onebit'"
+                )
+            self.exchange = "gradients"
             self._grad_comm = comm
             if self._pending_feedback.get("gradients"):
                 comm.load_state_dict(self._pending_feedback["gradients"])
@@ -169,18 +173,13 @@ class OneBitAdam(torch.optim.Optimizer):
         return backend == "gloo" and not self.cuda_aware and torch.cuda.is_available()
 
     def _apply_phase(self) -> None:
-        if self.exchange == "momentum":
-            if self.partitioner is not None:
-                self.partitioner.gradient_reduction = not self.frozen
-        elif self._grad_comm is not None:
-            self._grad_comm.compress = self.frozen
+        if self.exchange == "gradients" and self._grad_comm is not None:
+            self._grad_comm.set_compression(self.frozen)
 
     def _momentum_transport(self) -> Communicator | None:
         if self._momentum_comm is not None:
             return self._momentum_comm
-        comm = self.comm
-        if isinstance(comm, OneBitCommunicator):
-            comm = comm.transport
+        comm = self.comm  # a OneBitCommunicator passes its all-to-all and all-gather on, counted
         if comm is None:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 raise RuntimeError(
@@ -192,7 +191,7 @@ class OneBitAdam(torch.optim.Optimizer):
         if name is not None and name != getattr(comm, "backend", name) and comm.world_size > 1:
             from zkit.builtin.comm_torch import TorchCommunicator
 
-            group = getattr(comm, "group", None)
+            group = getattr(getattr(comm, "transport", comm), "group", None)
             ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
             comm = TorchCommunicator(dist.new_group(ranks=ranks, backend=name))
         self._momentum_comm = comm
@@ -447,32 +446,6 @@ def _live_mask(layout: ChunkLayout, bucket: list[dict]) -> LiveMask | None:
     if bool(live.all()):
         return None
     return LiveMask.from_flat(layout, live)
-
-
-def _agree_on_grad_norm(partitioner: Any) -> None:
-    """Make a stage-0 partitioner's ``grad_norm`` global while gradient reduction is off.
-
-    Without reduction each rank holds only its local gradients, so their norms differ: one rank
-    could see an fp16 overflow and skip the step while the others enter the compressed exchange
-    and wait for it forever, and clipping factors would differ. While reduction is off, the
-    wrapped ``grad_norm`` all-reduces the squared local norms (exactly; a scalar) and returns their
-    root mean square, so every rank agrees on overflow and clipping.
-    """
-    original = partitioner.grad_norm
-    if getattr(original, "_onebit_global", False):
-        return
-
-    def grad_norm() -> torch.Tensor:
-        norm = original()
-        comm = partitioner.comm
-        if partitioner.gradient_reduction or comm is None or comm.world_size == 1:
-            return norm
-        sq = norm.detach().float().reshape(1).square()
-        comm.all_reduce(sq, "sum")
-        return sq.div_(comm.world_size).sqrt_().reshape(())
-
-    grad_norm._onebit_global = True  # type: ignore[attr-defined]
-    partitioner.grad_norm = grad_norm
 
 
 #: DeepSpeed's parameter names (plus ``bucket_numel``) that the config may give.

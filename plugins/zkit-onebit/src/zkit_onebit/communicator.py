@@ -4,13 +4,11 @@ tensors is 1-bit compressed with error feedback; every other collective goes to 
 Used as the ``"onebit"`` communicator (``zkit.Stack(communicator="onebit")``) it turns any
 optimizer into error-feedback signSGD-style training: the partitioner's gradient all-reduce sends
 one bit per element. The error buffers are per tensor: a tensor is known by the ``key=`` its caller
-gives, else by its position in the round of reductions: ``"all_reduce/0"``, ``"all_reduce/1"``...
-A partitioner reduces its gradient units in the same order every backward, so the position names
-the unit even when the unit travels in a scratch bucket that changes from step to step, and the
-names are the same after a restart, so error buffers survive a checkpoint. The engine marks the
-end of each round (the plugin's ``zkit_after_backward`` calls :meth:`end_round`); a communicator
-used without rounds tells tensors apart by storage address, size and dtype, named in the order
-they are first reduced (which gives the same names as the first round).
+gives (zkit's partitioners name each gradient unit, ``"grad/3"``, so a unit keeps its buffers while
+it travels in a scratch bucket that carries other units too, and after a restart). A caller that
+gives no key: by its position in the round of reductions (``"all_reduce/0"``, ...), once the
+engine marks the end of a micro-step (the plugin's ``zkit_after_backward`` calls
+:meth:`end_round`); before that, by storage address, size and dtype.
 """
 from __future__ import annotations
 
@@ -75,6 +73,10 @@ class OneBitCommunicator(Communicator):
     @property
     def backend(self) -> str | None:
         return getattr(self.transport, "backend", None)
+
+    def set_compression(self, on: bool) -> None:
+        """Turn compression on or off (1-bit Adam keeps it off during its warm-up)."""
+        self.compress = bool(on)
 
     # -- error buffers ---------------------------------------------------------------------------
     def _compresses(self, tensor: torch.Tensor, op: str) -> bool:

@@ -31,6 +31,7 @@ def zkit_register_optimizers():
         state_names=("exp_avg", "exp_avg_sq"),
         elementwise=True,
         devices=("cpu", "cuda"),
+        communicator="onebit",  # ZeRO 1-2 reduce gradients through it, 1-bit after freeze_step
     )
     yield OptimizerRecord(
         name="zerooneadam",
@@ -73,6 +74,21 @@ def zkit_engine_setup(engine):
     if opt.comm is None:
         opt.comm = _engine_comm(engine)
     opt.attach(engine.partitioner)
+
+
+@zkit.hookimpl(wrapper=True, trylast=True)
+def zkit_grad_norm(engine):
+    """While a 1-bit optimizer has gradient reduction off (ZeRO 0 after the freeze), each rank
+    holds its local gradients only: the norm every rank uses for fp16 overflow checks and clipping
+    is the root mean square of the local norms (an exact scalar all-reduce), so that no rank skips
+    a step or clips differently while the others enter the compressed exchange."""
+    norm = yield
+    comm = engine.comm
+    if engine.partitioner.gradient_reduction or comm.world_size == 1 or onebit_optimizer(engine) is None:
+        return norm
+    sq = norm.detach().float().reshape(1).square()
+    comm.all_reduce(sq, "sum")
+    return sq.div_(comm.world_size).sqrt_().reshape(())
 
 
 @zkit.hookimpl

@@ -104,10 +104,6 @@ class ZeroOneAdam(OneBitAdam):
             )
         super().attach(partitioner)
 
-    def _apply_phase(self) -> None:
-        if self.partitioner is not None:
-            self.partitioner.gradient_reduction = self.needs_gradient_reduction
-
     # -- step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):  # type: ignore[override]
@@ -134,7 +130,6 @@ class ZeroOneAdam(OneBitAdam):
             if t >= self.freeze_step:
                 self._enter_local_steps(params)
         self.step_count = t
-        self._apply_phase()
         return loss
 
     def _params(self) -> list[tuple[torch.Tensor, dict, dict]]:

@@ -16,12 +16,14 @@ from typing import Any, Iterable
 import torch
 
 from zkit.stash import StashKey
-from zkit_pipeline.grid_norm import install_grid_norm, replication_weights
+from zkit_pipeline.grid_norm import GridNorm, replication_weights
 from zkit_pipeline.module import PipelineModule
 from zkit_pipeline.tensor_parallel.module import TensorParallelModule
 
 #: the engine's pipeline runner (built at setup: its construction is collective)
 RUNNER: StashKey[Any] = StashKey()
+#: the engine's grid-wide gradient norm (a model split over pipeline or tensor ranks)
+GRID_NORM: StashKey[GridNorm] = StashKey()
 
 
 def setup(engine: Any) -> None:
@@ -39,10 +41,13 @@ def setup(engine: Any) -> None:
 
         weights = replication_weights(module, module.grid.degree("tensor"), {})
         model = module.grid_groups["model"]
-        install_grid_norm(engine.partitioner, weights, TorchCommunicator(model, None))
+        engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, TorchCommunicator(model, None))
     elif isinstance(module, PipelineModule):
-        if module.grid is not None and module.grid.degree("pipe") * module.grid.degree("tensor") > 1:
-            runner(engine)  # collective: every rank builds it at setup, not at its first batch
+        grid = module.grid
+        if grid is not None and grid.degree("pipe") * grid.degree("tensor") > 1:
+            pipeline = runner(engine)  # collective: every rank builds it at setup, not at its first batch
+            weights = replication_weights(module, grid.degree("tensor"), module.tied_copies())
+            engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, pipeline.comms.get("model"))
 
 
 def _tensor_group(module: Any) -> Any:
@@ -72,7 +77,7 @@ def runner(engine: Any) -> Any:
         engine.gradient_accumulation_steps(),
         step=engine.run_optimizer_step,
         partitioner=engine.partitioner,
-        loss_scale=lambda: float(engine.loss_scale),
+        micro_step=engine.micro_step_protocol,
         comm=getattr(engine, "world_comm", None),
     )
     return engine.stash[RUNNER]

@@ -10,9 +10,11 @@ every stage that shares it. Such a parameter enters each rank's square with weig
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
+
+from zkit.partition import ReducedGradients
 
 
 def replication_weights(module: torch.nn.Module, tensor_degree: int, tied_copies: Mapping[int, int]) -> dict[int, float]:
@@ -32,47 +34,47 @@ def replication_weights(module: torch.nn.Module, tensor_degree: int, tied_copies
     return weights
 
 
-def install_grid_norm(partitioner: Any, weights: Mapping[int, float], model_comm: Any) -> None:
-    """Make ``partitioner.grad_norm()`` return the norm over the whole grid (per instance: the
-    engine asks the partitioner). Idempotent."""
-    if getattr(partitioner, "_zkit_grid_norm", False):
-        return
-    stage_norm: Callable[[], torch.Tensor] = partitioner.grad_norm
-    by_name = {name: weights[id(p)] for name, p in partitioner.named_trainable() if id(p) in weights}
-    if by_name and not (hasattr(partitioner, "owned") and hasattr(partitioner, "_grad_shards")):
-        raise ValueError(
-            f"the global gradient norm of a tensor-parallel model or of weights tied across pipeline "
-            f"stages needs a ZeRO stage 0-2 partitioner (it reads each parameter's reduced gradient); "
-            f"{type(partitioner).__name__} does not expose them"
-        )
-    multi = model_comm is not None and model_comm.world_size > 1
+class GridNorm:
+    """The grid-wide norm from a rank's data-parallel norm (``__call__``): the pipeline plugin's
+    ``zkit_grad_norm`` wrapper applies it to the answer it wraps. ``weights`` as from
+    :func:`replication_weights`; ``model_comm`` sums over the model-parallel (pipe x tensor)
+    group. Weighing replicated parameters reads their reduced gradients, which needs a
+    partitioner that shows them (:class:`zkit.partition.ReducedGradients`): refused at set-up
+    otherwise."""
 
-    def grad_norm() -> torch.Tensor:
-        sq = stage_norm().float().reshape(1) ** 2
-        if by_name:
-            sq = sq - _excess(partitioner, by_name).to(sq.device)
-        if multi:
-            model_comm.all_reduce(sq, "sum")
+    def __init__(self, partitioner: Any, weights: Mapping[int, float], model_comm: Any) -> None:
+        self.by_name = {name: weights[id(p)] for name, p in partitioner.named_trainable() if id(p) in weights}
+        if self.by_name and not isinstance(partitioner, ReducedGradients):
+            raise ValueError(
+                f"the global gradient norm of a tensor-parallel model or of weights tied across pipeline "
+                f"stages needs a ZeRO stage 0-2 partitioner (it reads each parameter's reduced gradient); "
+                f"{type(partitioner).__name__} does not expose them"
+            )
+        self.partitioner = partitioner
+        self.model_comm = model_comm if model_comm is not None and model_comm.world_size > 1 else None
+
+    def __call__(self, stage_norm: torch.Tensor) -> torch.Tensor:
+        sq = stage_norm.float().reshape(1) ** 2
+        if self.by_name:
+            sq = sq - self._excess(sq.device)
+        if self.model_comm is not None:
+            self.model_comm.all_reduce(sq, "sum")
         return sq.clamp_min(0.0).sqrt()[0] if torch.isfinite(sq).all() else sq[0]
 
-    partitioner.grad_norm = grad_norm
-    partitioner._zkit_grid_norm = True
-
-
-def _excess(partitioner: Any, weights: Mapping[str, float]) -> torch.Tensor:
-    """``sum (1 - w) * |g|^2`` over this rank's reduced gradient pieces of replicated parameters,
-    summed over the data-parallel replicas when states are sharded."""
-    shards = partitioner._grad_shards()
-    pieces, factors = [], []
-    for _, unit, a, b, piece in partitioner.owned:
-        w = weights.get(piece.slot.name)
-        if w is not None and b > a:
-            pieces.append(shards[unit][a:b])
-            factors.append(1.0 - w)
-    out = torch.zeros(1, dtype=torch.float32, device=partitioner.ctx.device)
-    if pieces:
-        norms = torch.stack(torch._foreach_norm(pieces)).float().to(out.device)
-        out += (norms.square() * torch.tensor(factors, device=out.device)).sum()
-    if getattr(partitioner, "shards_states", False) and partitioner.comm.world_size > 1:
-        partitioner.comm.all_reduce(out, "sum")
-    return out
+    def _excess(self, device: torch.device) -> torch.Tensor:
+        """``sum (1 - w) * |g|^2`` over this rank's reduced gradient pieces of replicated
+        parameters, summed over the data-parallel replicas when states are sharded."""
+        pieces, factors = [], []
+        for piece in self.partitioner.reduced_grads():
+            w = self.by_name.get(piece.name)
+            if w is not None and piece.end > piece.start:
+                pieces.append(piece.grad)
+                factors.append(1.0 - w)
+        out = torch.zeros(1, dtype=torch.float32, device=device)
+        if pieces:
+            norms = torch.stack(torch._foreach_norm(pieces)).float().to(device)
+            out += (norms.square() * torch.tensor(factors, device=device)).sum()
+        comm = self.partitioner.comm
+        if self.partitioner.shards_states and comm.world_size > 1:
+            comm.all_reduce(out, "sum")
+        return out

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from zkit_pipeline.grid_norm import install_grid_norm, replication_weights
+from zkit.microstep import MicroStep
 from zkit_pipeline.module import PipelineModule
 from zkit_pipeline.probe import StageProbe
 from zkit_pipeline.schedules import (
@@ -49,7 +49,11 @@ class PipelineRunner:
 
     ``step`` is called at ``OptimizerStep`` (``engine.apply_step``, or a plain optimizer's step
     and zero_grad). ``partitioner`` (ZeRO) reduces data-parallel gradients; without one, gradients
-    are averaged over the data axis of ``grid``. Construction is collective (creates groups).
+    are averaged over the data axis of ``grid``. ``micro_step`` (an engine's
+    :class:`zkit.microstep.MicroStep`) scales the loss and runs around every backward that
+    accumulates weight gradients, with the hooks and the partitioner's reduction, as
+    ``engine.backward`` does; without one the loss is averaged over the micro-batches.
+    Construction is collective (creates groups).
     """
 
     def __init__(
@@ -62,7 +66,7 @@ class PipelineRunner:
         step: Callable[[], Any] | None = None,
         partitioner: Any = None,
         schedule_params: dict[str, Any] | None = None,
-        loss_scale: Callable[[], float] | None = None,
+        micro_step: MicroStep | None = None,
         comm: Any = None,
         probe: "StageProbe | None" = None,
     ) -> None:
@@ -81,7 +85,9 @@ class PipelineRunner:
         #: where this stage's activations live: receive buffers, shape headers and the loss go
         #: there too (NCCL moves device tensors only)
         self.device = next((p.device for p in module.parameters()), torch.device("cpu"))
-        self.loss_scale = loss_scale or (lambda: 1.0)
+        if partitioner is not None and micro_step is None:
+            raise ValueError("PipelineRunner: a partitioner is driven through micro_step= (the engine's protocol)")
+        self.micro_step = micro_step or _Unscaled(micro_batches)
         self.coord = self.grid.coord(rank)
         if self.coord.pipe != module.stage_id:
             raise ValueError(f"PipelineRunner: rank {rank} is pipeline stage {self.coord.pipe}, module stage {module.stage_id}")
@@ -110,17 +116,9 @@ class PipelineRunner:
         #: per-instruction timers and saved-activation bytes (off unless a probe is given)
         self.probe: StageProbe = probe or StageProbe(enabled=False)
         self._training_channels = True
-        if partitioner is not None and self.grid.degree("pipe") * self.grid.degree("tensor") > 1:
-            self._norm_over_stages(partitioner)
         # shapes are exchanged once per channel and cached on both ends
         self._shapes: dict[tuple[str, int, int], tuple[torch.dtype, tuple[int, ...]]] = {}
         self._sent_header: set[tuple[str, int, int]] = set()
-
-    def _norm_over_stages(self, partitioner: Any) -> None:
-        """Make the partitioner's gradient norm (clipping, fp16 overflow checks) cover the whole
-        grid, each tensor held on several model-parallel ranks counted once."""
-        weights = replication_weights(self.module, self.grid.degree("tensor"), self.module.tied_copies())
-        install_grid_norm(partitioner, weights, self.comms.get("model"))
 
     # -- point-to-point --------------------------------------------------------------------------
     def _peer_rank(self, inst: CommInstruction) -> int:
@@ -237,7 +235,8 @@ class PipelineRunner:
                     if last:
                         loss = mod.loss_fn(out, st.batches[mb][1])
                         st.losses.append(loss.detach())
-                        out = loss * (self.loss_scale() / self.m)
+                        st.loss_of[mb] = loss
+                        out = self.micro_step.scale(loss)
                 if last:
                     st.batches.pop(mb, None)
                 else:
@@ -249,7 +248,8 @@ class PipelineRunner:
                 grad = None if last else st.inbox.pop((mb, c, RecvGrad))
                 if isinstance(inst, Backward):
                     st.saved.pop((mb, c))
-                    with self._weight_grads(i == boundary_at), self.probe.compute(inst):
+                    with self.micro_step.backward(st.micro_loss(mb, last), i == boundary_at), \
+                            self.probe.compute(inst):
                         torch.autograd.backward(out, grad)
                     gx = x.grad if not first else None
                 else:  # input gradient only: no parameter's .grad is touched
@@ -261,7 +261,8 @@ class PipelineRunner:
             elif isinstance(inst, BackwardWeight):
                 x, out = st.saved.pop((mb, c))
                 params = [q for q in mod.chunks[c].parameters() if q.requires_grad]
-                with self._weight_grads(i == boundary_at), self.probe.compute(inst):
+                with self.micro_step.backward(st.micro_loss(mb, last), i == boundary_at), \
+                        self.probe.compute(inst):
                     if params:
                         torch.autograd.backward(out, st.grads.pop((mb, c)), inputs=params)
             elif isinstance(inst, ReduceTiedGrads):
@@ -278,25 +279,11 @@ class PipelineRunner:
         for work in st.pending:
             work.wait()
 
-    @contextlib.contextmanager
-    def _weight_grads(self, boundary: bool) -> Iterator[None]:
-        """Around one backward that accumulates weight gradients: the partitioner's micro-step
-        protocol (``backward_context`` then ``after_backward``), as ``engine.backward`` runs it."""
-        if self.partitioner is None:
-            yield
-            return
-        with self.partitioner.backward_context(boundary):
-            yield
-        self.partitioner.after_backward(boundary)
-
     def _reduce_grads(self, reduced: bool) -> None:
         """Average gradients over the data axis, unless the last weight backward already did."""
         if self.partitioner is not None:
             if not reduced:
-                # every gradient is final: entering the boundary and leaving it launches all units
-                with self.partitioner.backward_context(True):
-                    pass
-                self.partitioner.after_backward(True)
+                self.micro_step.reduce()
             return
         data = self.comms.get("data")
         if data is None or data.world_size == 1:
@@ -332,8 +319,33 @@ class _State:
         self.inbox: dict[tuple, torch.Tensor] = {}
         self.outbox: dict[tuple, Any] = {}
         self.losses: list[torch.Tensor] = []
+        #: the last stage's loss of each micro-batch until its weight gradients are computed
+        self.loss_of: dict[int, torch.Tensor] = {}
         self.pending: list[Any] = []
         self.keep: list[tuple[Any, torch.Tensor]] = []
+
+
+    def micro_loss(self, micro_batch: int, last: bool) -> torch.Tensor | None:
+        """The loss the micro-step hooks see: the micro-batch's on the last stage (its last
+        weight-gradient pass takes it), None on the stages before."""
+        return self.loss_of.pop(micro_batch, None) if last else None
+
+
+class _Unscaled:
+    """The micro-step of a runner without an engine: the loss averaged over the micro-batches,
+    no hooks and no partitioner."""
+
+    def __init__(self, micro_batches: int) -> None:
+        self.m = micro_batches
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss / self.m
+
+    def backward(self, loss: torch.Tensor | None, boundary: bool) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def reduce(self) -> None:
+        pass
 
 
 def _header(t: torch.Tensor) -> torch.Tensor:

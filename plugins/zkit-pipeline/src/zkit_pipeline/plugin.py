@@ -26,10 +26,21 @@ def zkit_register_schedulers():
 
 @zkit.hookimpl
 def zkit_engine_setup(engine: Any) -> None:
-    """Grid-wide gradient norm for split models."""
+    """The pipeline runner and the grid-wide gradient norm of split models."""
     from zkit_pipeline import engine_api
 
     engine_api.setup(engine)
+
+
+@zkit.hookimpl(wrapper=True)
+def zkit_grad_norm(engine: Any) -> Any:
+    """The norm over the whole grid for split models: the data-parallel norm inside, summed over
+    the pipeline and tensor ranks, each tensor held whole on several of them counted once."""
+    from zkit_pipeline import engine_api
+
+    norm = yield
+    grid_norm = engine.stash.get(engine_api.GRID_NORM, None)
+    return norm if grid_norm is None else grid_norm(norm)
 
 
 @zkit.hookimpl
