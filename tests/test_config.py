@@ -136,7 +136,22 @@ def test_classes_are_frozen():
         cfg.gradient_clipping = 1.0
 
 
-def test_legacy_cpu_offload_without_plugin_names_the_distribution():
+@pytest.fixture
+def plugins_not_installed(monkeypatch):
+    """As on a machine where the plugin distributions are not installed."""
+    import importlib.metadata
+
+    real = importlib.metadata.version
+
+    def version(name):
+        if name.startswith("zkit-"):
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+
+
+def test_legacy_cpu_offload_without_plugin_names_the_distribution(plugins_not_installed):
     msg = error({"zero_optimization": {"cpu_offload": True}})
     assert msg == (
         "config key 'zero_optimization.offload_optimizer' (device 'cpu') is provided by the "
@@ -284,8 +299,16 @@ def test_not_implemented_keys_at_default_are_fine():
          "installed: pip install zkit-offload"),
     ],
 )
-def test_plugin_key_without_plugin(extra, message):
+def test_plugin_key_without_plugin(extra, message, plugins_not_installed):
     assert error(extra) == message
+
+
+def test_plugin_key_of_an_installed_distribution_that_registered_no_section():
+    # loaded without the plugins' sections (a blocked plugin), while zkit-sparse is installed
+    pytest.importorskip("zkit_sparse")
+    assert error({"sparse_attention": {"mode": "fixed"}}).startswith(
+        "config key 'sparse_attention' is provided by the distribution 'zkit-sparse', which is installed "
+        "(version ")
 
 
 def test_legacy_offload_conflicts():

@@ -56,8 +56,19 @@ def check_without_plugin(path: str, value: Any) -> None:
     detail = ""
     if isinstance(value, dict) and "device" in value:
         detail = f" (device {value['device']!r})"
+    import importlib.metadata
+
+    try:
+        version = importlib.metadata.version(key.dist)
+    except importlib.metadata.PackageNotFoundError:
+        raise ConfigError(
+            f"config key '{path}'{detail} is provided by the distribution '{key.dist}', "
+            f"which is not installed: pip install {key.dist}",
+            key=path,
+        ) from None
     raise ConfigError(
-        f"config key '{path}'{detail} is provided by the distribution '{key.dist}', "
-        f"which is not installed: pip install {key.dist}",
+        f"config key '{path}'{detail} is provided by the distribution '{key.dist}', which is installed "
+        f"(version {version}) but registered no '{path}' section: is its plugin blocked, or older than "
+        f"this zkit? pip install -U {key.dist}",
         key=path,
     )

@@ -120,3 +120,22 @@ def test_pipeline_checkpointing_follows_the_activation_checkpointing_config():
     assert any(name.startswith("pipeline layers") for name in report), report
     for p, g in zip(ckpt.parameters(), want):
         torch.testing.assert_close(p.grad, g)
+
+
+def test_deepspeeds_pipeline_section_loads_and_says_where_each_choice_is_made(caplog):
+    import logging
+
+    from zkit.config import ConfigError, load_config
+    from zkit.config.structure import _WARNED
+    from zkit.plugins import get_plugin_manager
+
+    sections = get_plugin_manager().config_sections()
+    _WARNED.discard("pipeline.partition")
+    with caplog.at_level(logging.WARNING, logger="zkit"):
+        cfg = load_config({"train_batch_size": 2, "pipeline": {"stages": "auto", "partition": "uniform"}},
+                          world_size=1, sections=sections)
+    assert cfg.section("pipeline").partition == "uniform"
+    assert "'pipeline.partition' = 'uniform' has no effect in zkit" in caplog.text
+    assert "PipelineModule(partition_method=" in caplog.text
+    with pytest.raises(ConfigError, match="unknown config key 'pipeline.stagez'; did you mean 'pipeline.stages'"):
+        load_config({"train_batch_size": 2, "pipeline": {"stagez": 2}}, world_size=1, sections=sections)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import zkit
-from zkit.records import SchedulerRecord
+from zkit.records import ConfigSectionRecord, SchedulerRecord
 
 from zkit_pipeline import __version__
 from zkit_pipeline.schedules import BUILTIN_SCHEDULES
@@ -22,6 +22,14 @@ _DESCRIPTIONS = {
 def zkit_register_schedulers():
     for name, factory in BUILTIN_SCHEDULES.items():
         yield SchedulerRecord(name=name, kind="step", factory=factory, description=_DESCRIPTIONS[name])
+
+
+@zkit.hookimpl
+def zkit_config_sections():
+    from zkit_pipeline.config import PipelineSectionConfig
+
+    yield ConfigSectionRecord(path=PipelineSectionConfig.SECTION, schema=PipelineSectionConfig,
+                              description="DeepSpeed's pipeline section: loads, and says where each choice is made")
 
 
 @zkit.hookimpl
