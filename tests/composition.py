@@ -1,6 +1,7 @@
 """The composition matrix: every pair of features, and what it must do.
 
-Each feature changes a base run (2 ranks, ZeRO stage 0, fp32, AdamW, 3 steps of a two-block MLP).
+Each feature changes a base run (2 ranks, ZeRO stage 0, fp32, AdamW, 3 steps of a four-layer
+network with two residual blocks, a global batch of 4 rows).
 A pair either **matches its reference** or is **refused at initialize** with an error that names
 both features (the words in :data:`REFUSED`). The reference of a pair is the run with only its
 *numerics* features (dtype, clipping, the optimizer) at stage 0 without offload, accumulation or
@@ -30,6 +31,8 @@ FEATURES: dict[str, str] = {
     "onebit_adam": "zkit-onebit's OneBitAdam in its warm-up (freeze_step past the run: the 1-bit phase's "
                    "own tests compare it with its simulation)",
     "client_sgd": "a client torch.optim.SGD instance (momentum 0.9) passed to initialize",
+    "pipeline": "zkit-pipeline: the model as a PipelineModule of 2 stages (one replica), train_batch over the "
+                "same global batch in micro-batches",
 }
 #: features that define what is computed: a pair's reference keeps these
 NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "client_sgd")
@@ -49,6 +52,9 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("nvme_offload", "onebit_adam"): ("state swapped from NVMe is stepped sub-group by sub-group, which only the "
                                       "fused CPU optimizers do", ("onebitadam", "nvme")),
     ("nvme_offload", "client_sgd"): ("as above: SGD has no sub-group step", ("sgd", "nvme")),
+    ("zero3", "pipeline"): ("stage 3 gathers parameters per forward, which the pipeline's chunks do not do",
+                            ("zero stage 3", "pipeline")),
+    ("param_offload", "pipeline"): ("parameter offload is stage 3 (as above)", ("zero stage 3", "pipeline")),
 }
 #: two values of one setting, not a combination: the stage pairs and bf16 x fp16 must be refused
 #: by the config; the two offload devices are one key's two values
@@ -97,7 +103,8 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1 if "grad_accum" in features else 2,
-        "gradient_accumulation_steps": 2 if "grad_accum" in features else 1,
+        # a pipeline has one replica: twice the micro-batches make the same global batch of 4
+        "gradient_accumulation_steps": (2 if "grad_accum" in features else 1) * (2 if "pipeline" in features else 1),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "steps_per_print": 1000,
