@@ -33,6 +33,7 @@ FEATURES: dict[str, str] = {
     "client_sgd": "a client torch.optim.SGD instance (momentum 0.9) passed to initialize",
     "pipeline": "zkit-pipeline: the model as a PipelineModule of 2 stages (one replica), train_batch over the "
                 "same global batch in micro-batches",
+    "save_load": "save_checkpoint after 2 of the 3 steps, then a new engine loads it and takes the last step",
 }
 #: features that define what is computed: a pair's reference keeps these
 NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "client_sgd")

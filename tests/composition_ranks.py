@@ -75,11 +75,11 @@ def _named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         return {name: p.detach().float().clone() for name, p in model.named_parameters()}
 
 
-def _train(engine, features: tuple[str, ...], cfg: dict) -> None:
+def _train(engine, features: tuple[str, ...], cfg: dict, steps: range) -> None:
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     micro, accum = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     dtype = engine.dtype
-    for step in range(STEPS):
+    for step in steps:
         x, y = _batch(step, world)
         if "pipeline" in features:  # one replica: the whole global batch in micro-batches
             batches = [(x[i:i + micro].to(dtype), y[i:i + micro]) for i in range(0, 4, micro)]
@@ -92,20 +92,35 @@ def _train(engine, features: tuple[str, ...], cfg: dict) -> None:
             engine.step()
 
 
-def _run(features: tuple[str, ...], nvme_path: str) -> dict:
+def _engine(features: tuple[str, ...], cfg: dict):
     import zkit
 
+    model = _model(features)
+    kwargs = {}
+    if "client_sgd" in features:
+        kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
+    return engine, model
+
+
+def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
     cfg = matrix.config(features, nvme_path)
     try:
-        model = _model(features)
-        kwargs = {}
-        if "client_sgd" in features:
-            kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
-        engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
+        engine, model = _engine(features, cfg)
     except Exception as exc:  # noqa: BLE001 - the refusal is the result
         return {"refused": f"{type(exc).__name__}: {exc}"}
     try:
-        _train(engine, features, cfg)
+        if "save_load" not in features:
+            _train(engine, features, cfg, range(STEPS))
+            return {"params": _named_params(model)}
+        # train, save, and go on in a new engine that loads the checkpoint
+        _train(engine, features, cfg, range(STEPS - 1))
+        where = f"{ckpt_root}/{'-'.join(features)}"
+        engine.save_checkpoint(where)
+        engine.close()
+        engine, model = _engine(features, cfg)
+        engine.load_checkpoint(where)
+        _train(engine, features, cfg, range(STEPS - 1, STEPS))
         return {"params": _named_params(model)}
     except Exception:  # noqa: BLE001 - a crash after initialize is what the matrix must not have
         return {"crashed": traceback.format_exc(limit=8)}
@@ -113,6 +128,6 @@ def _run(features: tuple[str, ...], nvme_path: str) -> dict:
         engine.close()
 
 
-def run_cells(cells: list[tuple[str, ...]], nvme_path: str) -> dict:
+def run_cells(cells: list[tuple[str, ...]], nvme_path: str, ckpt_root: str) -> dict:
     """Every cell (a tuple of features) in one process group, in order."""
-    return {cell: _run(cell, nvme_path) for cell in cells}
+    return {cell: _run(cell, nvme_path, ckpt_root) for cell in cells}

@@ -22,8 +22,8 @@ def results(tmp_path_factory) -> dict:
     references = sorted({matrix.reference_of(p) for p in CELLS if matrix.expected(p) == "matches"})
     one_setting = [p for p in matrix.NOT_A_COMBINATION if p in matrix.REFUSED]
     cells = [*references, *CELLS, *one_setting]
-    nvme = tmp_path_factory.mktemp("nvme")
-    return run_ranks(composition_ranks.run_cells, 2, args=(cells, str(nvme)), timeout=900)[0]
+    nvme, ckpt = tmp_path_factory.mktemp("nvme"), tmp_path_factory.mktemp("ckpt")
+    return run_ranks(composition_ranks.run_cells, 2, args=(cells, str(nvme), str(ckpt)), timeout=900)[0]
 
 
 @pytest.mark.parametrize("pair", CELLS, ids=lambda p: "x".join(p))

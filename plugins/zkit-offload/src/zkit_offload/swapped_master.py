@@ -111,8 +111,11 @@ class SwappedMasterStore:
             handle.wait()
 
     def _read(self, name: str, unit: int, into: torch.Tensor) -> None:
-        self._settle(name, unit)
         key, offset = self._where(name, unit)
+        # Units share a sub-group's file: any write in flight to that file must finish first (the
+        # swapper refuses to read a file while it is being written), not only this unit's.
+        for pending in [k for k in self._unit_write if k[0] == name and self._where(*k)[0] == key]:
+            self._settle(*pending)
         self.swapper.swap_in(key, into, offset).wait()
 
     def write_master(self, unit: int, values: torch.Tensor) -> None:
