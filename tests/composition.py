@@ -34,6 +34,7 @@ FEATURES: dict[str, str] = {
     "pipeline": "zkit-pipeline: the model as a PipelineModule of 2 stages (one replica), train_batch over the "
                 "same global batch in micro-batches",
     "save_load": "save_checkpoint after 2 of the 3 steps, then a new engine loads it and takes the last step",
+    "custom_allocator": "a third-party allocator record chosen by zkit.Stack(allocator=...)",
 }
 #: features that define what is computed: a pair's reference keeps these
 NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "client_sgd")
@@ -56,6 +57,10 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("zero3", "pipeline"): ("stage 3 gathers parameters per forward, which the pipeline's chunks do not do",
                             ("zero stage 3", "pipeline")),
     ("param_offload", "pipeline"): ("parameter offload is stage 3 (as above)", ("zero stage 3", "pipeline")),
+    ("cpu_offload", "custom_allocator"): ("offload needs zkit-offload's allocator; another would silently not "
+                                          "offload", ("allocator 'host'", "allocator='counting'", "offload")),
+    ("nvme_offload", "custom_allocator"): ("as above", ("allocator 'nvme'", "allocator='counting'", "offload")),
+    ("param_offload", "custom_allocator"): ("as above", ("allocator 'host'", "allocator='counting'", "offload")),
 }
 #: two values of one setting, not a combination: the stage pairs and bf16 x fp16 must be refused
 #: by the config; the two offload devices are one key's two values

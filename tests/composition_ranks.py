@@ -92,6 +92,27 @@ def _train(engine, features: tuple[str, ...], cfg: dict, steps: range) -> None:
             engine.step()
 
 
+class CountingAllocator:
+    """A third-party allocator: zkit's flat device buffers, counting what it hands out."""
+
+    @staticmethod
+    def record():
+        from zkit.alloc import Allocator
+        from zkit.records import AllocatorRecord
+
+        class Counting(Allocator):
+            handed_out = 0
+
+            def place(self, purpose: str) -> torch.device:
+                return self.device
+
+            def empty(self, numel: int, dtype: torch.dtype, purpose: str) -> torch.Tensor:
+                Counting.handed_out += 1
+                return super().empty(numel, dtype, purpose)
+
+        return AllocatorRecord(name="counting", factory=lambda device, config: Counting(device), dist="third-party")
+
+
 def _engine(features: tuple[str, ...], cfg: dict):
     import zkit
 
@@ -99,6 +120,8 @@ def _engine(features: tuple[str, ...], cfg: dict):
     kwargs = {}
     if "client_sgd" in features:
         kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    if "custom_allocator" in features:
+        kwargs["stack"] = zkit.Stack(allocator=CountingAllocator.record())
     engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
     return engine, model
 

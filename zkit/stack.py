@@ -77,6 +77,24 @@ def merge_plugin_stacks(answers: Iterable[tuple[str, Stack]]) -> Stack:
     return Stack(plugins=tuple(plugins), **{f: v for f, (_, v) in merged.items()})
 
 
+def _refuse_overridden_allocator(answers: dict[str, Any], from_plugins: Stack, stack: Stack) -> None:
+    """A plugin chooses an allocator because the config asks for what only that allocator does
+    (zkit-offload's ``host``/``nvme`` for the offload sections): a user stack naming another one
+    would drop that request silently, so it is refused, naming both. (The user's stack wins for
+    the other families: an optimizer it names is checked against the allocator at initialize.)"""
+    if from_plugins.allocator is None or stack.allocator is None:
+        return
+    if _key(from_plugins.allocator) == _key(stack.allocator):
+        return
+    plugin = next(name for name, s in answers.items() if isinstance(s, Stack) and s.allocator is not None)
+    raise ValueError(
+        f"the config needs allocator {_key(from_plugins.allocator)!r} (chosen by plugin {plugin!r} for what the "
+        f"config asks, e.g. zero_optimization.offload_optimizer/offload_param), but zkit.Stack(allocator="
+        f"{_key(stack.allocator)!r}) chooses another, which would not do it: drop the offload sections, or "
+        f"the Stack's allocator"
+    )
+
+
 def _key(value: Any) -> str:
     return value.name if isinstance(value, Record) else str(value).lower()
 
@@ -117,7 +135,9 @@ def configure(
     """What a config plus a user stack resolve to: the plugins' ``zkit_configure`` stacks merged
     under the user's (their plugins registered), and the record of every family."""
     answers = pm.call_each_named("zkit_configure", config=config)
-    merged = merge_plugin_stacks(answers.items()) | stack
+    from_plugins = merge_plugin_stacks(answers.items())
+    _refuse_overridden_allocator(answers, from_plugins, stack)
+    merged = from_plugins | stack
     for plugin in merged.plugins:
         if not pm.is_registered(plugin):
             pm.register(plugin)
