@@ -152,3 +152,12 @@ def test_ranks_die_with_a_killed_launcher(tmp_path):
                     pass
         if launcher.poll() is None:
             launcher.kill()
+
+
+def test_plugins_lists_each_lifecycle_hooks_implementations():
+    from zkit.cli import plugins_text
+
+    text = plugins_text()
+    assert "lifecycle hooks (implementations, called outermost first):" in text
+    line = next(l for l in text.splitlines() if l.strip().startswith("zkit_grad_norm"))
+    assert line.rstrip().endswith("zkit.train_loop (trylast)")  # the built-in answer, innermost

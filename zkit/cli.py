@@ -272,6 +272,16 @@ def plugins_text() -> str:
         lines.append("config sections:")
         for path, rec in sorted(sections.items()):
             lines.append(f"  {path:40s} {rec.dist}")
+    lines.append("lifecycle hooks (implementations, called outermost first):")
+    for name in sorted(n for n in dir(pm.hook) if n.startswith("zkit_") and not n.startswith("zkit_register_")):
+        impls = getattr(pm.hook, name).get_hookimpls()
+        if not impls:
+            continue
+        shown = []
+        for impl in reversed(impls):  # pluggy calls the last registered first
+            flags = [f for f in ("wrapper", "hookwrapper", "tryfirst", "trylast") if getattr(impl, f, False)]
+            shown.append(pm.get_name(impl.plugin) + (f" ({', '.join(flags)})" if flags else ""))
+        lines.append(f"  {name:28s} {', '.join(shown)}")
     return "\n".join(lines)
 
 
