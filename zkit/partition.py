@@ -172,8 +172,9 @@ class Partitioner(abc.ABC):
         """Whether this rank's pieces go to disk (False on ranks that hold a replica)."""
         return True
 
-    def after_load(self) -> None:
-        """Called after a checkpoint was copied into :meth:`pieces`: refresh model params."""
+    def after_load(self, pieces: list[Piece]) -> None:
+        """Called after a checkpoint was copied into ``pieces`` (what :meth:`pieces` returned):
+        store masters kept outside the parameters, refresh the model's parameters."""
 
     def memory(self) -> dict[str, int]:
         """Bytes of model states this rank holds, by kind (params, grads, master, optim_state)."""

@@ -54,9 +54,9 @@ def is_dcp(where: Path) -> bool:
     return (where / DCP_METADATA).is_file()
 
 
-def _full_tensors(where: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]], dict[str, Any]]:
-    """Every trainable parameter's fp32 master and optimizer state, whole, and the metadata."""
-    files = _source(where)
+def _full_tensors(files: Any, where: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+    """Every trainable parameter's fp32 master and optimizer state, whole, from ``files`` (the
+    checkpoint's rank files, zkit's or DeepSpeed's)."""
     meta = files.meta
     shapes = meta["params"]
     _piece_sources(meta, where)  # coverage checked before anything is assembled
@@ -83,7 +83,7 @@ def _full_tensors(where: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[
         for key, value in slot.items():
             if torch.is_tensor(value) and value.dim() == 1 and value.numel() == full[name].numel():
                 slot[key] = value.view(full[name].shape)
-    return full, states, meta
+    return full, states
 
 
 def write_dcp(
@@ -105,11 +105,12 @@ def write_dcp(
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not empty; export into a new directory")
     where = _checkpoint_directory(Path(checkpoint_dir), tag)
-    full, states, meta = _full_tensors(where)
+    files = _source(where)
+    meta = files.meta
     if "parts" in meta:
         raise CheckpointError(f"{where}: a model split into model-parallel parts; export one part's directory")
+    full, states = _full_tensors(files, where)
     target = DTYPES[dtype_name]
-    files = _source(where)
     model: dict[str, torch.Tensor] = {}
     aliases = meta.get("aliases", {})
     extras = files.extras()
@@ -207,8 +208,7 @@ def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool) -> t
                     else:
                         slot[skey] = value.clone()
                 engine.optimizer.state[pc.opt_param] = slot
-    part.after_load()
-    del pieces  # after_load has stored them
+    part.after_load(pieces)
     getattr(engine, "world_comm", engine.comm).barrier()
     if engine.rank == 0:
         log.info("loaded DCP checkpoint %s (%d parameters%s)", where, len(named),

@@ -17,15 +17,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
 import attrs
 
-from zkit.checkpoint.consolidate import (
-    DTYPES, _Entry, _checkpoint_directory, _entries, _fill, _piece_sources, _safetensors_layout, _source,
-)
+from zkit.checkpoint.consolidate import _Entry, plan_consolidation, write_file
 from zkit.checkpoint.errors import CheckpointError
 
 #: ``save_pretrained``'s file names
@@ -90,43 +87,25 @@ def write_hf_pretrained(
     """Write the checkpoint (zkit's, or DeepSpeed's) at ``checkpoint_dir`` as a ``save_pretrained``
     directory ``out_dir``; ``dtype`` ("fp32", "fp16", "bf16") for floating-point tensors. The
     directory is written next to ``out_dir`` and renamed into place whole."""
-    if sys.byteorder != "little":
-        raise CheckpointError("safetensors output is little-endian; export on a little-endian machine")
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
-    dtype_name = "fp32" if dtype is None else dtype
-    if dtype_name not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
     config_files = _config_files(config)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not empty; export into a new directory")
-
-    where = _checkpoint_directory(Path(checkpoint_dir), tag)
-    files = _source(where)
-    meta = files.meta
-    if "parts" in meta:
-        raise CheckpointError(f"{where}: the checkpoint holds a model split into model-parallel parts; export one "
-                              f"part's directory, e.g. {where / meta['parts'][0]}")
-    sources = _piece_sources(meta, where)
-    first = files.extras()
-    extras = {name: (tuple(t.shape), t.dtype) for name, t in first.items()}
-    del first
-    entries = _entries(meta, extras, DTYPES[dtype_name], where)
-    kept = [e for e in entries if e.name == e.canonical]  # a tied alias is the model's to re-tie
-    tied = tuple(e.name for e in entries if e.name != e.canonical)
+    plan = plan_consolidation(checkpoint_dir, tag=tag, dtype=dtype, safetensors=True)
+    kept = [e for e in plan.entries if e.name == e.canonical]  # a tied alias is the model's to re-tie
+    tied = tuple(e.name for e in plan.entries if e.name != e.canonical)
     shards = _shards(kept, max_shard_bytes)
     names = [WEIGHTS] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))
     ]
-    checksums = meta.get("checksums") if meta.get("version", 1) >= 2 else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         for name, shard in zip(names, shards):
-            offsets = _safetensors_layout(staging / name, shard)
-            _fill(staging / name, shard, offsets, sources, files, checksums)
+            write_file(plan, shard, staging / name)
         if len(shards) > 1:
             index = {
                 "metadata": {"total_size": sum(e.nbytes for e in kept)},
@@ -141,4 +120,4 @@ def write_hf_pretrained(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return Exported(directory=out, shards=tuple(names), tensors=len(kept), tied=tied,
-                    nbytes=sum(e.nbytes for e in kept), dtype=dtype_name)
+                    nbytes=sum(e.nbytes for e in kept), dtype=plan.dtype)

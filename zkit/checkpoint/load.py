@@ -116,10 +116,8 @@ def fill_pieces(
     optimizer state) from saved pieces. ``index`` maps each file to the ``(name, start, end)``
     ranges it holds; ``read(file)`` returns the file's saved pieces (dicts with ``name``,
     ``start``, ``end``, ``master`` and ``state``). Only files holding ranges this rank owns are
-    read; a piece left partly uncovered is an error.
-
-    Returns the filled pieces: the caller keeps them until ``partitioner.after_load()``, which
-    stores masters that live outside the parameters (an offload store) from these very copies."""
+    read; a piece left partly uncovered is an error. Returns the filled pieces, for
+    ``partitioner.after_load``."""
     pieces = engine.partitioner.pieces()
     fillers: dict[str, list[_Filler]] = {}
     for piece in pieces:
@@ -201,8 +199,7 @@ def load_checkpoint(
     engine.load_train_state_dict(meta)  # the counters and the loss scaler
     plugin_state = (mine or first).get("plugins", {})
     engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)
-    engine.partitioner.after_load()
-    del filled  # after_load has stored them
+    engine.partitioner.after_load(filled)
     getattr(engine, "world_comm", engine.comm).barrier()
     return str(root / tag), first.get("client_state", {})
 

@@ -91,8 +91,7 @@ def set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     flat = value.detach().reshape(-1).float()
     for pc in pieces:
         pc.master.view(-1).copy_(flat[pc.start:pc.end].to(pc.master.device))
-    part.after_load()  # the store keeps these copies; the parameters are published from them
-    del pieces
+    part.after_load(pieces)  # stores these copies (an offload store) and publishes the parameters
 
 
 def set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str) -> None:

@@ -12,16 +12,15 @@ unit: the fp32 master copy and the optimizer state of those elements. Stage 0 ow
 from __future__ import annotations
 
 import contextlib
-import weakref
 from typing import Any
 
 import torch
 
 from zkit.optim.fused_step import FusedStepOptimizer
 from zkit.partition import GradPiece, PartitionContext, Partitioner, Piece
+from zkit.zero import full_state
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.param_refresh import ParamRefresh
-from zkit.zero import full_state
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -353,36 +352,35 @@ class ZeroPartitioner(Partitioner):
     def forward_context(self):
         return self.refresh.forward() if self.refresh is not None else contextlib.nullcontext()
 
-    def after_load(self) -> None:
+    def after_load(self, pieces: list[Piece]) -> None:
         if self.master_store is not None:
-            self._store_loaded_masters()
+            self._store_loaded_masters(pieces)
         self.publish_params()
         self.wait_for_parameters()
 
-    def _store_loaded_masters(self) -> None:
-        """Write the masters a checkpoint loaded into :meth:`pieces`' copies back to the store."""
+    def _store_loaded_masters(self, pieces: list[Piece]) -> None:
+        """Write the masters a checkpoint loaded into ``pieces`` (the copies :meth:`pieces` read,
+        in ``self.owned`` order) back to the store."""
+        if len(pieces) != len(self.owned):
+            raise ValueError(f"after_load: {len(pieces)} pieces for the {len(self.owned)} this rank owns")
         loaded: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
-        for ref, unit, a, b in self._piece_masters:
-            view = ref()
-            if view is not None:
-                loaded.setdefault(unit, []).append((a, b, view))
+        for piece, (_, unit, a, b, _) in zip(pieces, self.owned):
+            loaded.setdefault(unit, []).append((a, b, piece.master))
         for unit, parts in loaded.items():
             master = self.master_store.read_master(unit)
             for a, b, view in parts:
                 master[a:b].copy_(view.reshape(-1))
             self.master_store.write_master(unit, master)
-        self._piece_masters = []
 
     # -- state -----------------------------------------------------------------------------------
     def pieces(self) -> list[Piece]:
         """This rank's pieces. A master held in the allocator's store is read into copies here:
         saving reads them, loading writes into them and :meth:`after_load` stores them back (the
-        copies live as long as the caller keeps the pieces: weak references only)."""
+        partitioner keeps no reference to them: after a save they are freed with the pieces)."""
         masters = [opt_param.data for opt_param, *_ in self.owned]
         if self.master_store is not None:
             copies = {u.index: self.master_store.read_master(u.index) for u in self.units}
             masters = [copies[u][a:b].view(p.shape) for p, u, a, b, _ in self.owned]
-            self._piece_masters = [(weakref.ref(m), u, a, b) for m, (_, u, a, b, _) in zip(masters, self.owned)]
         return [
             Piece(
                 name=piece.slot.name,

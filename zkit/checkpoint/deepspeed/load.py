@@ -58,8 +58,7 @@ def load_deepspeed_checkpoint(
         # a static scale stays the config's; a dynamic one continues from DeepSpeed's
         "loss_scaler": ckpt.loss_scaler() if engine.loss_scaler.dynamic else engine.loss_scaler.state_dict(),
     })
-    engine.partitioner.after_load()
-    del filled  # after_load has stored them
+    engine.partitioner.after_load(filled)
     getattr(engine, "world_comm", engine.comm).barrier()
     if engine.rank == 0:
         log.info(
