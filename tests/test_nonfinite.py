@@ -8,7 +8,7 @@ import torch
 import zkit
 from zkit.testing import run_ranks
 
-from tests.nonfinite_ranks import skip_when_one_rank_sees_nan
+from tests.nonfinite_ranks import nan_gradient_under_a_finite_loss, skip_when_one_rank_sees_nan
 
 
 def _engine(**extra):
@@ -61,3 +61,15 @@ def test_every_rank_skips_when_one_rank_sees_a_nan(stage, dtype):
         unchanged = [u for _, u in out["steps"]]
         assert applied == [True, False, True] and unchanged[1]
         assert out["skipped"] == 1 and out["finite"]
+
+
+def test_a_nan_gradient_under_a_finite_loss_is_skipped_then_stops_the_job_at_every_stage():
+    # No clipping, no fp16: nothing computes a norm, so the reduced gradients themselves are checked.
+    results = run_ranks(nan_gradient_under_a_finite_loss, world_size=2, args=([0, 1, 2, 3], "bf16"), timeout=120)
+    for out in results:
+        for stage, got in out.items():
+            assert got["steps"] == [(True, True, False), (True, False, True)], (stage, got)
+            assert got["error"] is not None and got["error"].startswith(
+                "step 3: the loss or the gradients were NaN or infinite for 2 steps in a row "
+                "(nonfinite_steps_limit is 1)"), (stage, got)
+            assert got["finite"], stage

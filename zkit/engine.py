@@ -465,8 +465,8 @@ class Engine(torch.nn.Module):
         # its overflow check, clipping needs the norm, or the user asked for it.
         needs_norm = self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
         norm = float(self.pm.hook.zkit_grad_norm(engine=self)) if needs_norm else 0.0
-        # Without a norm, a non-finite loss on any rank is the cheap sign of non-finite gradients.
-        overflow = not math.isfinite(norm) if needs_norm else self._nonfinite_loss_on_any_rank()
+        # Without a norm, the cheap check: the loss and the reduced gradients, on every rank.
+        overflow = not math.isfinite(norm) if needs_norm else self._nonfinite_on_any_rank()
         scale = self.loss_scaler.scale  # the scale this batch's gradients carry (1.0 unless fp16)
         if self.loss_scaler.enabled:
             self.loss_scaler.update(overflow, self.global_steps + 1)
@@ -489,24 +489,29 @@ class Engine(torch.nn.Module):
             self.lr_scheduler.step()
         return True
 
-    def _nonfinite_loss_on_any_rank(self) -> bool:
-        """Whether this batch's loss was NaN or infinite on some rank. While gradients are reduced
-        a 4-byte all-reduce beside them makes every rank give the same answer, so all skip
-        together. Without reduction (1-bit optimizers' compressed or local steps, which exist to
-        save collectives) a rank cannot know the others' losses: its own non-finite loss stops
-        the job rather than letting the replicas' steps differ."""
-        local = any(not torch.isfinite(l).all() for l in self._losses)
+    def _nonfinite_on_any_rank(self) -> bool:
+        """Whether this batch's loss, or a gradient this rank steps after reduction, was NaN or
+        infinite on some rank. While gradients are reduced a 4-byte all-reduce beside them makes
+        every rank give the same answer, so all skip together (a NaN one rank's backward made
+        reaches only the rank owning that shard at stages 1-3). Without reduction (1-bit
+        optimizers' compressed or local steps, which exist to save collectives) a rank cannot know
+        the others': its own non-finite loss or gradient stops the job rather than letting the
+        replicas' steps differ."""
+        loss_bad = any(not torch.isfinite(l).all() for l in self._losses)
+        bad = torch.tensor([float(loss_bad)], dtype=torch.float32, device=self.device)
+        grads_finite = self.partitioner.grads_finite()
+        if grads_finite is not None:
+            bad += grads_finite.logical_not().to(device=self.device, dtype=torch.float32)
         if self.world_size == 1:
-            return local
+            return bool(bad.item() > 0)
         if not self.partitioner.gradient_reduction:
-            if local:
+            if bad.item() > 0:
                 raise FloatingPointError(
-                    f"step {self.global_steps + 1}: the loss on rank {self.rank} is NaN or infinite while gradients "
-                    f"are not reduced (a 1-bit optimizer's compressed or local step), so the ranks cannot skip it "
-                    f"together; training stopped"
+                    f"step {self.global_steps + 1}: the loss or the gradients on rank {self.rank} are NaN or infinite "
+                    f"while gradients are not reduced (a 1-bit optimizer's compressed or local step), so the ranks "
+                    f"cannot skip it together; training stopped"
                 )
             return False
-        bad = torch.tensor([float(local)], dtype=torch.float32, device=self.device)
         self.comm.all_reduce(bad, "sum")
         return bool(bad.item() > 0)
 

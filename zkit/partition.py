@@ -149,6 +149,12 @@ class Partitioner(abc.ABC):
         """Global L2 norm of the gradients (still multiplied by the loss scale) over all ranks,
         as a 0-dim fp32 tensor; ``inf``/``nan`` when any rank has an overflow."""
 
+    def grads_finite(self) -> torch.Tensor | None:
+        """Whether this rank's gradients after reduction (those it steps) are all finite, as a 0-dim
+        bool tensor, for the engine's check when nothing computes :meth:`grad_norm`. ``None`` (the
+        default): this partitioner cannot tell cheaply, and the loss alone is checked."""
+        return None
+
     @abc.abstractmethod
     def step(self, grad_factor: float) -> None:
         """Multiply the gradients by ``grad_factor`` (unscale and clip at once), step the optimizer

@@ -110,7 +110,7 @@ class ZkitConfig:
     nonfinite_steps_limit: int = setting(
         10,
         check=at_least(0),
-        doc="Consecutive bf16/fp32 steps with a non-finite loss or gradient norm (each skipped with a "
+        doc="Consecutive bf16/fp32 steps with a non-finite loss, gradient or gradient norm (each skipped with a "
         "warning) before the job stops with an error; 0 stops at the first (zkit).",
     )
     comms_timeout_s: float = setting(
