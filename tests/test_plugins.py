@@ -3,7 +3,7 @@ import pytest
 
 import zkit
 from zkit.plugins import PluginError, get_plugin_manager
-from zkit.records import FAMILIES, OptimizerRecord, SchedulerRecord
+from zkit.records import FAMILIES, ConfigSectionRecord, OptimizerRecord, SchedulerRecord
 from zkit.stack import Stack, merge_plugin_stacks
 
 
@@ -104,3 +104,58 @@ def test_record_names_are_validated():
         OptimizerRecord(name=" ", factory=object)
     with pytest.raises(ValueError, match="'kind' must be in"):
         SchedulerRecord(name="x", factory=object, kind="weird")
+
+
+
+REGISTRATION_HOOKS = sorted(n for n in dir(zkit.hookspecs) if n.startswith("zkit_register_")) + ["zkit_config_sections"]
+
+
+def test_registration_hooks_are_called_through_pluggy():
+    """A plugin registered at runtime is reached through the manager's hook caller: a wrapper of
+    every registration hook sees each plugin's answer, and pluggy's call monitoring sees each call
+    with the plugin's implementation (a plain call of the implementation bypasses both)."""
+    import attrs
+
+    wrapped, monitored = [], []
+
+    @attrs.frozen
+    class Section:
+        size: int = 1
+
+    class ThirdParty:
+        __module__ = "third_party"
+
+        @zkit.hookimpl
+        def zkit_register_optimizers(self):
+            yield OptimizerRecord(name="runtime_opt", factory=lambda groups, **kw: None)
+
+        @zkit.hookimpl
+        def zkit_config_sections(self):
+            yield ConfigSectionRecord(path="runtime_section", schema=Section)
+
+    class Wrapper:
+        __module__ = "third_party_wrapper"
+
+    def wrap(hook_name):
+        @zkit.hookimpl(wrapper=True)
+        def wrapper(self):
+            answers = yield
+            wrapped.append((hook_name, len(answers)))
+            return answers
+
+        return wrapper
+
+    for hook_name in REGISTRATION_HOOKS:
+        setattr(Wrapper, hook_name, wrap(hook_name))
+    third_party, wrapper = ThirdParty(), Wrapper()
+    pm = get_plugin_manager(autoload=False, extra_plugins=[third_party, wrapper])
+    pm.add_hookcall_monitoring(lambda name, impls, kwargs: monitored.append((name, [i.plugin for i in impls])),
+                               lambda outcome, name, impls, kwargs: None)
+    assert pm.lookup("optimizer", "runtime_opt").dist == "third_party"
+    assert pm.config_sections()["runtime_section"].dist == "third_party"
+    for family in FAMILIES:
+        pm.records(family)
+    assert {name for name, _ in wrapped} == set(REGISTRATION_HOOKS)
+    assert all(count == 1 for _, count in wrapped)  # one call per answering plugin, each wrapped
+    for hook_name in ("zkit_register_optimizers", "zkit_config_sections"):
+        assert (hook_name, [third_party, wrapper]) in monitored

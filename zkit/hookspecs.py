@@ -15,6 +15,9 @@ There are two kinds of hooks:
 
 * **Registration hooks** (``zkit_register_*``, ``zkit_config_sections``) yield small frozen
   records (:mod:`zkit.records`). Two records with one name is an error naming both distributions.
+  The manager calls them through pluggy's hook caller once per plugin that answers (so each record
+  is known with its distribution): ``wrapper=True`` implementations wrap each of those calls, and
+  ``ZKIT_TRACE`` shows them.
 * **Lifecycle hooks** are called at named moments of a run with the engine in hand.
 """
 from __future__ import annotations

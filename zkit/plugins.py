@@ -15,7 +15,7 @@ import difflib
 import importlib.metadata
 import os
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import attrs
 import pluggy
@@ -84,14 +84,26 @@ class ZkitPluginManager(pluggy.PluginManager):
         return self._dists.get(id(plugin), "?")
 
     # -- records ------------------------------------------------------------------------------
+    def call_per_plugin(
+        self, hook_name: str, kwargs_for: Callable[[str], dict[str, Any]] = lambda name: {}
+    ) -> Iterable[tuple[Any, list[Any]]]:
+        """Call a hook once per plugin that answers it, through pluggy's hook caller (so wrappers,
+        tracing and call monitoring see every call), with ``kwargs_for(plugin name)``:
+        ``(plugin, results)`` in registration order, built-ins first. Each call leaves out the other
+        answering plugins, so each result is known with the plugin that gave it; plugins that only
+        wrap the hook wrap every call."""
+        impls = getattr(self.hook, hook_name).get_hookimpls()
+        answering = [impl.plugin for impl in impls if not (impl.wrapper or impl.hookwrapper)]
+        for plugin in answering:
+            caller = self.subset_hook_caller(hook_name, remove_plugins=[p for p in answering if p is not plugin])
+            yield plugin, caller(**kwargs_for(self.get_name(plugin)))
+
     def _call_each(self, hook_name: str) -> Iterable[tuple[str, Any]]:
-        """Call every implementation of a registration hook separately, so each result is known
-        with the distribution that gave it."""
-        hook = getattr(self.hook, hook_name)
-        for impl in hook.get_hookimpls():  # call order reversed: trylast (built-ins) first
-            results = impl.function()
-            for item in results or ():
-                yield self.dist_of(impl.plugin), item
+        """Every item the registration hook yields, with the distribution that yielded it."""
+        for plugin, results in self.call_per_plugin(hook_name):
+            for result in results:
+                for item in result or ():
+                    yield self.dist_of(plugin), item
 
     def records(self, family: str) -> dict[str, Record]:
         """``{name: record}`` for one family; aliases map to the same record."""
@@ -155,18 +167,13 @@ class ZkitPluginManager(pluggy.PluginManager):
     # -- per-plugin results (checkpoint state) ------------------------------------------------
     def call_each_named(self, hook_name: str, **kwargs: Any) -> dict[str, Any]:
         """Call a hook and return ``{plugin name: result}`` for non-None results."""
-        out: dict[str, Any] = {}
-        for impl in getattr(self.hook, hook_name).get_hookimpls():
-            result = impl.function(**{k: kwargs[k] for k in impl.argnames})
-            if result is not None:
-                out[impl.plugin_name] = result
-        return out
+        answers = self.call_per_plugin(hook_name, lambda name: kwargs)
+        return {self.get_name(plugin): results[0] for plugin, results in answers if results}
 
     def call_each_with(self, hook_name: str, per_plugin: dict[str, Any], **kwargs: Any) -> None:
         """Call each implementation of a hook with its own ``state`` from ``per_plugin``."""
-        for impl in getattr(self.hook, hook_name).get_hookimpls():
-            args = dict(kwargs, state=per_plugin.get(impl.plugin_name, {}))
-            impl.function(**{k: args[k] for k in impl.argnames})
+        for _ in self.call_per_plugin(hook_name, lambda name: {**kwargs, "state": per_plugin.get(name, {})}):
+            pass
 
 
 def _dist_of(plugin: Any) -> str:
