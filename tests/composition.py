@@ -1,12 +1,15 @@
 """The composition matrix: every pair of features, and what it must do.
 
 Each feature changes a base run (2 ranks, ZeRO stage 0, fp32, AdamW, 3 steps of a four-layer
-network with two residual blocks, a global batch of 4 rows).
+network with two residual blocks, a global batch of 4 rows; with a model feature, a 2-block GPT on
+4 sequences of 32 tokens).
 A pair either **matches its reference** or is **refused at initialize** with an error that names
 both features (the words in :data:`REFUSED`). The reference of a pair is the run with only its
-*numerics* features (dtype, clipping, the optimizer) at stage 0 without offload, accumulation or
-checkpointing: the other features (stages, offload, accumulation, activation checkpointing) must
-not change what is computed. ``tests/test_composition.py`` runs every cell;
+*numerics and model* features (dtype, clipping, the optimizer, the GPT) at stage 0 on 2 ranks
+without offload, accumulation or checkpointing: the other features (stages, offload,
+accumulation, activation checkpointing, pipeline and tensor parallelism) must not change what is
+computed. Pairs of :data:`ELSEWHERE` are covered by other tests. ``tests/test_composition.py`` runs
+every cell (those with a 4-rank feature in a process group of their own);
 ``python tests/composition.py > docs/compatibility.md`` writes the table from this file, and a test
 checks the document is what this file says.
 """
@@ -35,9 +38,26 @@ FEATURES: dict[str, str] = {
                 "same global batch in micro-batches",
     "save_load": "save_checkpoint after 2 of the 3 steps, then a new engine loads it and takes the last step",
     "custom_allocator": "a third-party allocator record chosen by zkit.Stack(allocator=...)",
+    "tensor_parallel": "zkit-pipeline's TensorParallelModule over the 2 ranks (one replica): each block's MLP a "
+                       "column- then a row-parallel linear, the rest replicated",
+    "block_sparse": "the model is a 2-block GPT (zkit.models.gpt.Block, 32 tokens) with GPTConfig(attention="
+                    "\"block_sparse\") (zkit-sparse, fixed layout of 16-token blocks)",
+    "tied_weights": "the model is the 2-block GPT with dense attention and its token embedding tied to the head",
+    "zeroone_adam": "zkit-onebit's ZeroOneAdam in its first variance phase (every step a variance step: its "
+                    "compressed steps are compared with their simulation in its own tests)",
+    "onebit_comm": "zkit-onebit's onebit communicator chosen by zkit.Stack(communicator=\"onebit\") with the "
+                   "config's AdamW: this model's gradient buckets are below its compression threshold, so it must "
+                   "reduce exactly",
+    "pipeline_dp": "zkit-pipeline: a PipelineModule of 2 stages x 2 data-parallel replicas on 4 ranks (run as a "
+                   "group of its own, against the 2-rank references)",
 }
-#: features that define what is computed: a pair's reference keeps these
-NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "client_sgd")
+#: features that define what is computed (the numerics and the model): a pair's reference keeps these
+NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "zeroone_adam", "client_sgd", "tied_weights",
+            "block_sparse")
+#: features with a model of a transformer's layers (the others train the residual network)
+GPT_FEATURES = ("block_sparse", "tied_weights")
+#: features that run on 4 ranks: every pair with one of them runs in a 4-rank group of its own
+FOUR_RANKS = ("pipeline_dp",)
 STAGES = ("zero1", "zero2", "zero3")
 
 #: pairs refused at initialize: why, and words the error must contain (it names both features)
@@ -57,19 +77,44 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("zero3", "pipeline"): ("stage 3 gathers parameters per forward, which the pipeline's chunks do not do",
                             ("zero stage 3", "pipeline")),
     ("param_offload", "pipeline"): ("parameter offload is stage 3 (as above)", ("zero stage 3", "pipeline")),
+    ("zero3", "pipeline_dp"): ("as for pipeline", ("zero stage 3", "pipeline")),
+    ("param_offload", "pipeline_dp"): ("as for pipeline", ("zero stage 3", "pipeline")),
     ("cpu_offload", "custom_allocator"): ("offload needs zkit-offload's allocator; another would silently not "
                                           "offload", ("allocator 'host'", "allocator='counting'", "offload")),
     ("nvme_offload", "custom_allocator"): ("as above", ("allocator 'nvme'", "allocator='counting'", "offload")),
     ("param_offload", "custom_allocator"): ("as above", ("allocator 'host'", "allocator='counting'", "offload")),
+    **{(stage, "zeroone_adam"): ("0/1 Adam's local steps need every rank to hold the whole optimizer state",
+                                 ("zerooneadam", f"stage {stage[-1]}")) for stage in STAGES},
+    **{(offload, "zeroone_adam"): ("offload is a ZeRO stage (as above)", ("zerooneadam", "stage"))
+       for offload in ("cpu_offload", "param_offload")},
+    ("nvme_offload", "zeroone_adam"): ("as for onebit_adam: state swapped from NVMe is stepped sub-group by "
+                                       "sub-group", ("zerooneadam", "nvme")),
 }
 #: two values of one setting, not a combination: the stage pairs and bf16 x fp16 must be refused
-#: by the config; the two offload devices are one key's two values
+#: by the config; the two offload devices, the two 1-bit optimizers and the two pipeline layouts
+#: are one key's (or one model's) two values
 NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"), ("bf16", "fp16"),
-                     ("cpu_offload", "nvme_offload")}
+                     ("cpu_offload", "nvme_offload"), ("onebit_adam", "zeroone_adam"), ("pipeline", "pipeline_dp")}
+#: pairs the matrix does not run, and the test that covers them (or why none does)
+ELSEWHERE: dict[tuple[str, str], str] = {
+    ("pipeline", "tensor_parallel"): "not run: 2 stages x 2 tensor ranks need 4 ranks, and no other test builds a "
+                                     "PipelineModule over a grid with a tensor axis",
+    ("pipeline", "tied_weights"): "an embedding tied to the head across the 2 stages (TiedLayerSpec): "
+                                  "plugins/zkit-pipeline/tests/test_pipeline_engine.py (the tied cases against "
+                                  "single-process training; ZeRO 2 with weights tied across stages refused)",
+    ("tensor_parallel", "pipeline_dp"): "not run: 2 stages x 2 tensor ranks x 2 replicas need 8 ranks",
+    ("tied_weights", "pipeline_dp"): "as pipeline x tied_weights: test_pipeline_engine.py runs its tied cases on "
+                                     "2 x 2 ranks",
+}
 
 
 def pairs() -> list[tuple[str, str]]:
     return list(itertools.combinations(FEATURES, 2))
+
+
+def ranks(cell: tuple[str, ...]) -> int:
+    """How many ranks a cell runs on."""
+    return 4 if any(f in FOUR_RANKS for f in cell) else 2
 
 
 def expected(pair: tuple[str, str]) -> str:
@@ -77,20 +122,28 @@ def expected(pair: tuple[str, str]) -> str:
 
 
 def reference_of(pair: tuple[str, str]) -> tuple[str, ...]:
-    """The numerics features of a pair: the run its result must equal. A client optimizer wins
-    over the config's optimizer section."""
-    if "client_sgd" in pair and "onebit_adam" in pair:
-        return ("client_sgd",)
-    return tuple(f for f in pair if f in NUMERICS)
+    """The numerics and model features of a pair: the run its result must equal. A client
+    optimizer wins over the config's optimizer section."""
+    kept = tuple(f for f in pair if f in NUMERICS)
+    if "client_sgd" in kept:
+        return tuple(f for f in kept if f not in ("onebit_adam", "zeroone_adam"))
+    return kept
 
 
 def tolerance(features: tuple[str, ...]) -> float:
     """Relative tolerance of a cell's parameters against its reference."""
+    if "bf16" in features and "tensor_parallel" in features:
+        return 1e-1  # and each tensor rank rounds its partial product to bf16 before they are summed
     if "bf16" in features:
         return 5e-2  # bf16 keeps 8 bits: accumulating two micro-batches rounds differently from one
     if "fp16" in features:
         return 2e-3
     return 1e-5
+
+
+def replicas(features: tuple[str, ...]) -> int:
+    """Data-parallel replicas of a run: a 2-stage pipeline or 2 tensor ranks on 2 ranks make one."""
+    return 1 if {"pipeline", "tensor_parallel"} & set(features) else 2
 
 
 def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
@@ -107,10 +160,13 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
         zero["stage"] = zero["stage"] or 2
         device = "nvme" if "nvme_offload" in features else "cpu"
         zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
+    # a global batch of 4 rows: one data-parallel replica takes them in 2 micro-batches of 2
+    micro, accum = (2, 2) if replicas(features) == 1 else (2, 1)
+    if "grad_accum" in features:
+        micro, accum = micro // 2, accum * 2
     cfg: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": 1 if "grad_accum" in features else 2,
-        # a pipeline has one replica: twice the micro-batches make the same global batch of 4
-        "gradient_accumulation_steps": (2 if "grad_accum" in features else 1) * (2 if "pipeline" in features else 1),
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "steps_per_print": 1000,
@@ -125,7 +181,9 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
         cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     if "onebit_adam" in features:
         cfg["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 100}}
-    if "client_sgd" in features and "onebit_adam" not in features:
+    if "zeroone_adam" in features:
+        cfg["optimizer"] = {"type": "ZeroOneAdam", "params": {"lr": 1e-2, "var_freeze_step": 100}}
+    if "client_sgd" in features and not {"onebit_adam", "zeroone_adam"} & set(features):
         del cfg["optimizer"]  # with a section too, the client's optimizer wins (as in DeepSpeed)
     return cfg
 
@@ -137,13 +195,18 @@ def markdown() -> str:
         "# Compatibility: every pair of features",
         "",
         "Written by `python tests/composition.py > docs/compatibility.md` from the matrix that",
-        "`tests/test_composition.py` runs (2 ranks, gloo); a test fails when this page and the matrix",
-        "differ. A cell is one of:",
+        "`tests/test_composition.py` runs (2 ranks, gloo; pairs with "
+        + ", ".join(f"`{f}`" for f in FOUR_RANKS) + " on 4 ranks,",
+        "in a process group of their own); a test fails when this page and the matrix differ. A cell",
+        "is one of:",
         "",
         "- **=**: the pair trains and its parameters equal its reference, the same run with only the",
-        "  pair's numerics features (dtype, clipping, optimizer) at ZeRO stage 0 without offload,",
-        "  accumulation or checkpointing (fp32 within 1e-5 relative, fp16 2e-3, bf16 5e-2);",
+        "  pair's numerics and model features (dtype, clipping, optimizer, GPT model) at ZeRO stage 0",
+        "  on 2 ranks without offload, accumulation, checkpointing, pipeline or tensor parallelism",
+        "  (fp32 within 1e-5 relative, fp16 2e-3, bf16 5e-2, bf16 with tensor parallelism 1e-1);",
         "- **refused**: `zkit.initialize` refuses it with an error naming both features;",
+        "- **†**: not run by the matrix: the list at the end names the test that covers the pair, or",
+        "  says why none does;",
         "- **—**: two values of one setting, not a combination.",
         "",
         "| | " + " | ".join(f"`{n}`" for n in names) + " |",
@@ -156,12 +219,15 @@ def markdown() -> str:
                 row.append("")
                 continue
             pair = (a, b) if names.index(a) < names.index(b) else (b, a)
-            row.append("—" if pair in NOT_A_COMBINATION else ("refused" if pair in REFUSED else "="))
+            row.append("—" if pair in NOT_A_COMBINATION else "†" if pair in ELSEWHERE else
+                       "refused" if pair in REFUSED else "=")
         lines.append(f"| `{a}` | " + " | ".join(row) + " |")
     lines += ["", "## The features", "", "| feature | what it does |", "|---|---|"]
     lines += [f"| `{n}` | {d} |" for n, d in FEATURES.items()]
     lines += ["", "## Why the refused pairs are refused", ""]
     lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in REFUSED.items() if (a, b) not in NOT_A_COMBINATION]
+    lines += ["", "## Pairs covered outside the matrix (†)", ""]
+    lines += [f"- `{a}` × `{b}`: {where}" for (a, b), where in ELSEWHERE.items()]
     return "\n".join(lines) + "\n"
 
 
