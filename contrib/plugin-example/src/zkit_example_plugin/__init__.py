@@ -1,54 +1,9 @@
-"""A third-party zkit plugin: the Signum optimizer in the optimizer family."""
+"""A third-party zkit plugin: the Signum optimizer, and a ``grad_norm_watch`` config section that
+records the global gradient norm of every step (hooks in :mod:`zkit_example_plugin.plugin`)."""
 from __future__ import annotations
 
-import torch
+from zkit_example_plugin.signum import Signum
+from zkit_example_plugin.watch import grad_norms
 
-import zkit
-from zkit.records import OptimizerRecord
-
-
-class Signum(torch.optim.Optimizer):
-    """p -= lr * sign(m), m = momentum * m + (1 - momentum) * grad; decoupled weight decay."""
-
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, weight_decay: float = 0.0) -> None:
-        if lr <= 0:
-            raise ValueError(f"Signum: lr must be > 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Signum: momentum must be in [0, 1), got {momentum}")
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = closure() if closure is not None else None
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            bufs = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p)
-                bufs.append(state["momentum_buffer"])
-            grads = [p.grad for p in params]
-            torch._foreach_mul_(bufs, group["momentum"])
-            torch._foreach_add_(bufs, grads, alpha=1 - group["momentum"])
-            if group["weight_decay"]:
-                torch._foreach_mul_(params, 1 - group["lr"] * group["weight_decay"])
-            torch._foreach_add_(params, torch._foreach_sign(bufs), alpha=-group["lr"])
-        return loss
-
-
-@zkit.hookimpl
-def zkit_register_optimizers():
-    yield OptimizerRecord(
-        name="signum",
-        factory=Signum,
-        state_names=("momentum_buffer",),
-        description="sign of momentum (Signum); an example third-party plugin",
-    )
-
-
-@zkit.hookimpl
-def zkit_report():
-    yield "zkit-example-plugin", "Signum optimizer registered"
+__version__ = "0.2.0"
+__all__ = ["Signum", "grad_norms", "__version__"]
