@@ -63,3 +63,41 @@ def ds_config(stage: int, world_size: int, dtype: str = "fp32", offload: bool = 
         cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
         del cfg["optimizer"]["params"]["torch_adam"]
     return cfg
+
+
+def pipe_layers(pipe) -> list:
+    """The same kind of network as a pipeline: ``pipe`` is ``deepspeed.pipe`` (DeepSpeed's side) or
+    ``zkit.compat.deepspeed.pipe`` (zkit's). A tied layer runs twice, so the stages that hold it
+    keep copies of one weight."""
+    torch.manual_seed(0)
+    return [
+        pipe.LayerSpec(nn.Linear, IN, HIDDEN),
+        pipe.TiedLayerSpec("mix", nn.Linear, HIDDEN, HIDDEN, bias=False),
+        pipe.LayerSpec(nn.LayerNorm, HIDDEN),
+        nn.Tanh(),
+        pipe.LayerSpec(nn.Linear, HIDDEN, HIDDEN),
+        pipe.TiedLayerSpec("mix", nn.Linear, HIDDEN, HIDDEN, bias=False),
+        nn.Tanh(),
+        pipe.LayerSpec(nn.Linear, HIDDEN, OUT),
+    ]
+
+
+def pipe_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, y)
+
+
+#: micro-batches per global batch of a pipeline run
+PIPE_MICRO = 2
+
+
+def pipe_batches(step: int, dp_rank: int, dp_world: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """This data-parallel rank's micro-batches of global batch ``step``."""
+    x, y = batch(step, dp_rank, dp_world)
+    return list(zip(x.chunk(PIPE_MICRO), y.chunk(PIPE_MICRO)))
+
+
+def pipe_config(stage: int, dp_world: int, dtype: str = "fp32") -> dict:
+    cfg = ds_config(stage, dp_world, dtype)
+    cfg["train_micro_batch_size_per_gpu"] = GLOBAL_BATCH // dp_world // PIPE_MICRO
+    cfg["gradient_accumulation_steps"] = PIPE_MICRO
+    return cfg

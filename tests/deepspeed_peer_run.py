@@ -20,7 +20,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
-def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+def join(rank: int, world: int, port: int) -> None:
+    """Join the spawned ranks' gloo process group, one thread each, DeepSpeed on the CPU."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), DS_ACCELERATOR="cpu")
     import torch
@@ -28,7 +29,13 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
+
+
+def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    join(rank, world, port)
     import deepspeed
+    import torch
+    import torch.distributed as dist
 
     from deepspeed_peer_model import PeerNet, batch, ds_config
 
@@ -76,22 +83,30 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def main() -> None:
+def parse_args(runs: str, world: int, extra=None) -> argparse.Namespace:
+    """The command line both DeepSpeed peer scripts take (``extra`` adds options)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--runs", default="1:fp32,2:fp32,3:fp32")
-    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--runs", default=runs)
+    parser.add_argument("--world", type=int, default=world)
     parser.add_argument("--before", type=int, default=3)
     parser.add_argument("--after", type=int, default=3)
+    if extra is not None:
+        extra(parser)
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    return args
+
+
+def launch(rank_fn, args: argparse.Namespace) -> None:
+    """Run ``rank_fn(rank, world, port, args)`` on ``args.world`` spawned ranks."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     import torch.multiprocessing as mp
 
-    mp.start_processes(_rank, args=(args.world, port, args), nprocs=args.world, start_method="spawn")
+    mp.start_processes(rank_fn, args=(args.world, port, args), nprocs=args.world, start_method="spawn")
 
 
 if __name__ == "__main__":
-    main()
+    launch(_rank, parse_args("1:fp32,2:fp32,3:fp32", 2))

@@ -57,15 +57,20 @@ def deepspeed_run(tmp_path_factory) -> tuple[Path, dict]:
         pytest.skip(reason)
     root = tmp_path_factory.mktemp("deepspeed")
     runs = ",".join([f"{s}:fp32" for s in STAGES] + list(OTHER_RUNS))
+    _run_peer("deepspeed_peer_run.py", root, "--runs", runs)
+    return root, json.loads((root / "results.json").read_text())
+
+
+def _run_peer(script: str, root: Path, *args: str) -> None:
+    """Run a DeepSpeed peer script in DeepSpeed's interpreter, writing into ``root``."""
     proc = subprocess.run(
-        [str(PEER_PYTHON), str(HERE / "deepspeed_peer_run.py"), "--out", str(root), "--runs", runs,
-         "--before", str(BEFORE), "--after", str(AFTER)],
+        [str(PEER_PYTHON), str(HERE / script), "--out", str(root), "--before", str(BEFORE), "--after", str(AFTER),
+         *args],
         env=_peer_env(), capture_output=True, text=True, timeout=600,
     )
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise AssertionError(f"the DeepSpeed side failed with exit code {proc.returncode}:\n{tail}")
-    return root, json.loads((root / "results.json").read_text())
+        raise AssertionError(f"DeepSpeed's side ({script}) failed with exit code {proc.returncode}:\n{tail}")
 
 
 def continue_runs(runs: list[tuple[str, int, str]]) -> list[dict]:
@@ -240,4 +245,96 @@ def test_a_stage0_deepspeed_checkpoint_is_refused(tmp_path):
 
     where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {}, "optimizer": {}})
     with pytest.raises(CheckpointError, match="without ZeRO .stage 0.; only ZeRO stages 1-3"):
+        DeepSpeedCheckpoint(where)
+
+
+# -- DeepSpeed PipelineModule checkpoints ----------------------------------------------------------------
+
+#: DeepSpeed's pipeline runs: 2 stages x 2 data-parallel ranks, ZeRO-1 in fp32 and bf16
+PIPE_RUNS = ("1:fp32", "1:bf16")
+
+
+@pytest.fixture(scope="module")
+def deepspeed_pipe_run(tmp_path_factory) -> tuple[Path, dict]:
+    """DeepSpeed's pipeline checkpoints (``<root>/pipe-<zero>-<dtype>/``) and its losses."""
+    reason = _peer_missing()
+    if reason:
+        pytest.skip(reason)
+    root = tmp_path_factory.mktemp("deepspeed-pipe")
+    _run_peer("deepspeed_peer_pipe.py", root, "--runs", ",".join(PIPE_RUNS), "--world", "4", "--stages", "2")
+    return root, json.loads((root / "pipe-results.json").read_text())
+
+
+def continue_pipe_runs(runs: list[tuple[str, int, int, str]]) -> list[dict]:
+    """Rank function: for every ``(deepspeed_dir, pipeline_stages, zero_stage, dtype)`` load the
+    DeepSpeed pipeline checkpoint into a fresh zkit ``PipelineModule`` and train ``AFTER`` more steps."""
+    from deepspeed_peer_model import pipe_batches, pipe_config, pipe_layers, pipe_loss
+    from zkit.compat.deepspeed import pipe
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    out = []
+    for path, stages, zero, dtype in runs:
+        module = pipe.PipelineModule(layers=pipe_layers(pipe), num_stages=stages, loss_fn=pipe_loss,
+                                     partition_method="uniform")
+        with torch.no_grad():  # the loaded checkpoint must overwrite every value
+            for p in module.parameters():
+                p.fill_(0.5)
+        dp_rank, dp_world = module.grid.coord(rank).data, module.grid.degree("data")
+        engine, *_ = zkit.initialize(model=module, config=pipe_config(zero, dp_world, dtype))
+        loaded, client = engine.load_checkpoint(path)
+        steps, losses = engine.global_steps, []
+        for k in range(BEFORE, BEFORE + AFTER):
+            micro = [(x.to(engine.dtype), y.to(engine.dtype)) for x, y in pipe_batches(k, dp_rank, dp_world)]
+            losses.append(float(engine.train_batch(iter(micro))))
+        engine.close()
+        out.append({"losses": losses, "steps": steps, "epoch": client.get("epoch"), "loaded": loaded})
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_zkit_continues_deepspeed_pipeline_runs(deepspeed_pipe_run, world):
+    """DeepSpeed's 2-stage x 2-replica pipeline checkpoints continue in zkit with the same losses:
+    on 2 ranks as 2 stages (ZeRO-1) and as 1 stage with 2 replicas (ZeRO-2), and on 1 rank."""
+    root, reference = deepspeed_pipe_run
+    layouts = [(2, 1), (1, 2)] if world == 2 else [(1, 1)]
+    runs = [(str(root / f"pipe-{run.replace(':', '-')}"), stages, zero, run.split(":")[1])
+            for run in PIPE_RUNS for stages, zero in layouts]
+    results = run_ranks(continue_pipe_runs, world, args=(runs,), timeout=300)
+    for (path, stages, zero, dtype), got in zip(runs, results[0]):
+        name = Path(path).name
+        what = f"DeepSpeed {name} -> zkit {stages} stage(s), ZeRO {zero}, {world} rank(s)"
+        _expect_same(got["losses"], reference[name]["after"], what, BF16_RTOL if dtype == "bf16" else RTOL)
+        assert (got["steps"], got["epoch"]) == (BEFORE, 3), what
+        assert got["loaded"].endswith(f"global_step{BEFORE}"), what
+
+
+def test_consolidate_a_deepspeed_pipeline_checkpoint(deepspeed_pipe_run, tmp_path):
+    """``zkit consolidate`` joins the stages by layer name: every weight equals the layer files'
+    (fp32 training weights are the masters), the tied weight written once."""
+    import safetensors.torch
+
+    from zkit.checkpoint.deepspeed.unpickler import load_file
+    from zkit.cli import main as cli_main
+
+    root, _ = deepspeed_pipe_run
+    where = root / "pipe-1-fp32" / f"global_step{BEFORE}"
+    assert cli_main(["consolidate", str(root / "pipe-1-fp32"), str(tmp_path / "model.safetensors")]) == 0
+    got = safetensors.torch.load_file(tmp_path / "model.safetensors")
+    assert list(got) == ["tied_modules.mix.weight", "0.weight", "0.bias", "2.weight", "2.bias", "4.weight",
+                         "4.bias", "7.weight", "7.bias"]
+    for layer in (0, 2, 4, 7):
+        for name, tensor in load_file(where / f"layer_{layer:02d}-model_states.pt").items():
+            assert torch.equal(got[f"{layer}.{name}"], tensor), f"{layer}.{name}"
+    assert torch.equal(got["tied_modules.mix.weight"], load_file(where / "layer_01-model_states.pt")["weight"])
+
+
+def test_a_deepspeed_bf16_checkpoint_without_zero_is_refused(tmp_path):
+    """DeepSpeed's BF16_Optimizer (bf16 at stage 0) records neither a stage nor the parameters' shapes."""
+    from zkit.checkpoint import CheckpointError
+    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+
+    where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {"w": torch.ones(4)}, "param_shapes": None})
+    torch.save({"optimizer_state_dict": {"single_partition_of_fp32_groups": [torch.ones(4)], "partition_count": [1]}},
+               where / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(CheckpointError, match="bf16 optimizer without ZeRO .stage 0., whose files do not record"):
         DeepSpeedCheckpoint(where)

@@ -228,11 +228,12 @@ class _DeepSpeedFiles:
     state); the extras (buffers, frozen parameters) are in its model file."""
 
     def __init__(self, where: Path) -> None:
-        from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+        from zkit.checkpoint.deepspeed.checkpoint import open_checkpoint
 
         self.where = where
-        self.ckpt = DeepSpeedCheckpoint(where)
-        self.extras_file = self.ckpt.layout.model_files[0].name
+        self.ckpt = open_checkpoint(where)
+        files = self.ckpt.layout.layer_files or self.ckpt.layout.model_files
+        self.extras_file = files[0].name
         self.meta = {
             "params": {n: list(shape) for n, shape in self.ckpt.params.items()},
             "index": self.ckpt.index,

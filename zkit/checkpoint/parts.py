@@ -14,9 +14,19 @@ with the difference named.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from zkit.checkpoint.errors import CheckpointError
+
+
+@runtime_checkable
+class LayerNamed(Protocol):
+    """A split model whose parameters have names that do not depend on the split (a pipeline's
+    ``<layer index>.<name>``), so that a checkpoint of another split loads by name."""
+
+    def layer_names(self) -> dict[str, str]:
+        """``{name in this module: name in the whole model}`` of every parameter and buffer held here."""
+        ...
 
 
 def model_part(module: Any) -> tuple[str, dict[str, Any]] | None:

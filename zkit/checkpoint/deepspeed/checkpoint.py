@@ -23,16 +23,15 @@ _ENGINE_KEYS = ("module", "skipped_steps", "global_steps", "dp_world_size", "mp_
 class DeepSpeedCheckpoint:
     """The DeepSpeed checkpoint in ``where`` (one tag's directory)."""
 
-    def __init__(self, where: Path) -> None:
-        self.layout: Layout = detect(where)
+    def __init__(self, where: Path, layout: Layout | None = None) -> None:
+        """``layout`` is given for one stage of a pipeline checkpoint (:mod:`.pipeline`), whose
+        files say ``mp_world_size`` = the number of stages."""
+        self.layout: Layout = layout if layout is not None else detect(where)
         self.where = where
-        if self.layout.layer_files:
-            raise CheckpointError(
-                f"{where}: a DeepSpeed PipelineModule checkpoint (layer_XX-model_states.pt); importing pipeline "
-                f"checkpoints is not supported yet: consolidate it with DeepSpeed's zero_to_fp32.py and load the weights"
-            )
+        if layout is None and self.layout.layer_files:
+            raise CheckpointError(f"{where}: a DeepSpeed PipelineModule checkpoint: read it with open_checkpoint()")
         self.model_state: dict[str, Any] = self._dict(self.layout.model_files[0])
-        if int(self.model_state.get("mp_world_size", 1) or 1) > 1:
+        if layout is None and int(self.model_state.get("mp_world_size", 1) or 1) > 1:
             raise CheckpointError(
                 f"{self.layout.model_files[0]}: written with model-parallel degree {self.model_state['mp_world_size']}; "
                 f"importing tensor-parallel checkpoints is not supported"
@@ -43,7 +42,9 @@ class DeepSpeedCheckpoint:
                 f"only ZeRO stages 1-3 checkpoints can be imported"
             )
         self.first_optim = self._optimizer(0)
-        self.stage = int(self.first_optim.get("zero_stage", 0))
+        # DeepSpeed's BF16_Optimizer (bf16 without ZeRO) records no stage; its files are laid out as stage 1's
+        bf16_optimizer = "zero_stage" not in self.first_optim and "single_partition_of_fp32_groups" in self.first_optim
+        self.stage = 1 if bf16_optimizer else int(self.first_optim.get("zero_stage", 0))
         count = self.first_optim.get("partition_count")
         self.world_size = max(count) if isinstance(count, list) else int(count)
         if self.world_size != len(self.layout.optim_files):
@@ -52,6 +53,11 @@ class DeepSpeedCheckpoint:
                 f"optimizer files are there (a save that did not finish, or files from two saves)"
             )
         param_shapes = self.model_state.get("param_shapes")
+        if not isinstance(param_shapes, list) and bf16_optimizer:
+            raise CheckpointError(
+                f"{where}: written by DeepSpeed's bf16 optimizer without ZeRO (stage 0), whose files do not "
+                f"record the parameters' names and shapes; only ZeRO stages 1-3 checkpoints can be imported"
+            )
         if not isinstance(param_shapes, list):
             raise CheckpointError(f"{self.layout.model_files[0]}: no param_shapes: not a ZeRO checkpoint's model file")
         #: trainable parameters in flattening order: name -> shape
@@ -150,3 +156,13 @@ class DeepSpeedCheckpoint:
             base = self.first_optim.get("base_optimizer_state")
             groups = base.get("param_groups", []) if isinstance(base, dict) else []
         return [{k: v for k, v in g.items() if k != "params"} for g in groups]
+
+
+def open_checkpoint(where: Path) -> "DeepSpeedCheckpoint":
+    """The DeepSpeed checkpoint in ``where`` (one tag's directory), a pipeline's or not."""
+    layout = detect(where)
+    if layout.layer_files:
+        from zkit.checkpoint.deepspeed.pipeline import DeepSpeedPipelineCheckpoint
+
+        return DeepSpeedPipelineCheckpoint(where, layout)
+    return DeepSpeedCheckpoint(where)

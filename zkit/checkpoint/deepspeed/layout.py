@@ -9,7 +9,8 @@ holding, for a model that is not split over model-parallel ranks:
   per data-parallel rank, the same with the parameters left out (buffers only);
 - ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank (stages 1-3): its
   partition of the fp32 master weights and of the optimizer state;
-- for a ``PipelineModule``, ``layer_<XX>-model_states.pt`` per layer instead of the module.
+- for a ``PipelineModule``, ``layer_<XX>-model_states.pt`` per layer instead of the module, and
+  the model and optimizer files above once per pipeline stage (``mp_rank_<stage>``).
 """
 from __future__ import annotations
 
@@ -82,6 +83,24 @@ def detect(where: Path) -> Layout:
         optim_files=tuple(where / n for _, n in optims),
         layer_files=tuple(where / n for n in sorted(layers, key=lambda n: int(re.findall(r"\d+", n)[0]))),
     )
+
+
+def pipeline_stages(where: Path) -> list[Layout]:
+    """One layout per stage of a ``PipelineModule`` checkpoint: stage ``s`` wrote
+    ``mp_rank_<s>_model_states.pt`` and its data-parallel ranks ``d`` wrote
+    ``[bf16_]zero_pp_rank_<d>_mp_rank_<s>_optim_states.pt`` (the layer files are shared)."""
+    names = sorted(p.name for p in where.iterdir())
+    stages = sorted(int(m.group(1)) for n in names if (m := _PLAIN_MODEL.match(n)))
+    if not stages:
+        raise CheckpointError(f"{where}: layer files but no {MODEL_FILE}: not a complete DeepSpeed pipeline checkpoint")
+    _check_consecutive(where, stages, "mp_rank_{:02d}_model_states.pt")
+    out = []
+    for s in stages:
+        optims = sorted((int(m.group(2)), n) for n in names if (m := _OPTIM.match(n)) and int(m.group(3)) == s)
+        _check_consecutive(where, [r for r, _ in optims], f"zero_pp_rank_{{}}_mp_rank_{s:02d}_optim_states.pt")
+        out.append(Layout(where=where, model_files=(where / f"mp_rank_{s:02d}_model_states.pt",),
+                          optim_files=tuple(where / n for _, n in optims), layer_files=()))
+    return out
 
 
 def _check_consecutive(where: Path, ranks: list[int], pattern: str) -> None:

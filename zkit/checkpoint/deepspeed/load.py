@@ -14,10 +14,11 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint, open_checkpoint
+from zkit.checkpoint.deepspeed.pipeline import DeepSpeedPipelineCheckpoint, StageView
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.load import _check_params, _load_module_extras, fill_pieces
-from zkit.checkpoint.parts import model_part
+from zkit.checkpoint.parts import LayerNamed, model_part
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.engine import Engine
@@ -33,19 +34,17 @@ def load_deepspeed_checkpoint(
 ) -> tuple[str, dict]:
     """Load the DeepSpeed checkpoint in ``where`` (one tag's directory) into ``engine``; return
     ``(where, client_state)`` as ``engine.load_checkpoint`` does."""
-    if model_part(engine.module) is not None:
-        raise CheckpointError(
-            f"{where}: a DeepSpeed checkpoint of an unsplit model cannot be loaded into a model split over "
-            f"pipeline or tensor-parallel ranks"
-        )
-    ckpt = DeepSpeedCheckpoint(where)
-    _check_params({"params": {n: list(s) for n, s in ckpt.params.items()}}, engine, where)
-    filled = fill_pieces(engine, ckpt.index, lambda fname: ckpt.pieces(fname, with_state=load_optimizer_states),
+    ckpt = open_checkpoint(where)
+    view = _as_held_here(engine, ckpt, where)
+    _check_params({"params": {n: list(s) for n, s in view.params.items()}}, engine, where)
+    if isinstance(view, StageView):
+        _check_all_read(engine, ckpt, view.read, where)
+    filled = fill_pieces(engine, view.index, lambda fname: view.pieces(fname, with_state=load_optimizer_states),
                 where, load_optimizer_states)
-    extras = {n: t for n, t in ckpt.module_extras().items() if n in _extra_names(engine)}
+    extras = {n: t for n, t in view.module_extras().items() if n in _extra_names(engine)}
     _load_module_extras(engine.module, extras, where)
     if load_optimizer_states:
-        _load_hyperparameters(engine, ckpt.param_groups())
+        _load_hyperparameters(engine, view.param_groups())
     lr_state = ckpt.model_state.get("lr_scheduler")
     if load_lr_scheduler_states and engine.lr_scheduler is not None and lr_state is not None:
         engine.lr_scheduler.load_state_dict(lr_state)
@@ -56,17 +55,46 @@ def load_deepspeed_checkpoint(
         "skipped_steps": int(ckpt.model_state.get("skipped_steps", 0)),
         "micro_steps": steps * engine.gradient_accumulation_steps(),
         # a static scale stays the config's; a dynamic one continues from DeepSpeed's
-        "loss_scaler": ckpt.loss_scaler() if engine.loss_scaler.dynamic else engine.loss_scaler.state_dict(),
+        "loss_scaler": view.loss_scaler() if engine.loss_scaler.dynamic else engine.loss_scaler.state_dict(),
     })
     engine.partitioner.after_load(filled)
-    getattr(engine, "world_comm", engine.comm).barrier()
+    engine.world_comm.barrier()
     if engine.rank == 0:
         log.info(
             "loaded DeepSpeed checkpoint %s (ZeRO stage %d, %d ranks, DeepSpeed %s) at stage %d on %d ranks",
             where, ckpt.stage, ckpt.world_size, ckpt.model_state.get("ds_version", "?"),
             engine.partitioner.stage, engine.world_size,
         )
-    return str(where), ckpt.client_state(with_optimizer=load_optimizer_states, with_lr_scheduler=load_lr_scheduler_states)
+    return str(where), view.client_state(with_optimizer=load_optimizer_states, with_lr_scheduler=load_lr_scheduler_states)
+
+
+def _as_held_here(
+    engine: "Engine", ckpt: DeepSpeedCheckpoint | DeepSpeedPipelineCheckpoint, where: Path
+) -> DeepSpeedCheckpoint | DeepSpeedPipelineCheckpoint | StageView:
+    """The checkpoint under this rank's parameter names. A pipeline's loads into an unsplit model
+    with its layer list's names (``nn.Sequential`` of the same layers) or, by layer name, into a
+    pipeline of any stage count; an unsplit run's only into an unsplit model."""
+    split = model_part(engine.module) is not None
+    if isinstance(ckpt, DeepSpeedPipelineCheckpoint) and isinstance(engine.module, LayerNamed):
+        return StageView(ckpt, engine.module.layer_names())
+    if split:
+        what = "a pipeline checkpoint" if isinstance(ckpt, DeepSpeedPipelineCheckpoint) else "a DeepSpeed checkpoint of an unsplit model"
+        raise CheckpointError(
+            f"{where}: {what} cannot be loaded into a model split over pipeline or tensor-parallel ranks "
+            f"whose parameters have no layer names ({type(engine.module).__name__} has no layer_names())"
+        )
+    return ckpt
+
+
+def _check_all_read(engine: "Engine", ckpt: DeepSpeedPipelineCheckpoint, read: set[str], where: Path) -> None:
+    """Every parameter of the checkpoint is held by some rank (else the model has fewer layers)."""
+    held = set().union(*engine.world_comm.all_gather_object(sorted(read)))
+    left = [n for n in ckpt.params if n not in held]
+    if left:
+        raise CheckpointError(
+            f"{where}: the pipeline checkpoint has parameters no stage of this model holds: {left[:5]}"
+            f"{'...' if len(left) > 5 else ''} (a model with fewer layers?)"
+        )
 
 
 def _extra_names(engine: "Engine") -> set[str]:

@@ -265,6 +265,25 @@ class PipelineModule(nn.Module):
                   "layer_bounds": list(self.bounds)}
         return name, layout
 
+    def layer_names(self) -> dict[str, str]:
+        """``{name here: name in the whole layer list}`` for every parameter and buffer this stage
+        holds: ``<layer index>.<name in the layer>``, or ``tied_modules.<key>.<name>``. These are
+        the names DeepSpeed's ``PipelineModule`` gives, and they do not depend on the stage count,
+        so a checkpoint saved by another split maps onto this one by name."""
+        out: dict[str, str] = {}
+        for key, module in self.tied_modules.items():
+            for n, _ in [*module.named_parameters(), *module.named_buffers()]:
+                out[f"tied_modules.{key}.{n}"] = f"tied_modules.{key}.{n}"
+        for c, funcs in enumerate(self._funcs):
+            start, _ = self.layer_range(c)
+            modules = [(i, f) for i, f in enumerate(funcs) if isinstance(f, nn.Module)]
+            for j, (i, layer) in enumerate(modules):
+                if isinstance(layer, _Tied):
+                    continue  # its parameters are the tied module's, named above
+                for n, _ in [*layer.named_parameters(), *layer.named_buffers()]:
+                    out[f"chunks.{c}.{j}.{n}"] = f"{start + i}.{n}"
+        return out
+
     def tied_copies(self) -> dict[int, int]:
         """``{id(param): stages}`` for the parameters of tied modules shared with other stages."""
         return {
