@@ -42,6 +42,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     results = {}
     for run in args.runs.split(","):
         stage, dtype, *rest = run.split(":")
+        if dtype == "fp16":  # DeepSpeed's CPU accelerator refuses fp16 unless oneDNN runs it natively;
+            # torch computes it anyway (more slowly), which is all a checkpoint to import needs
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().is_fp16_supported = lambda: True
         model = PeerNet()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(int(stage), world, dtype, offload="offload" in rest),
@@ -65,9 +70,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
 
             state = get_fp32_state_dict_from_zero_checkpoint(os.path.join(args.out, name))
             torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args.out, f"{name}.zero_to_fp32.pt"))
+        saved_scale = float(engine.optimizer.loss_scale) if dtype == "fp16" else 1.0
         dist.barrier()
         after = [step(k) for k in range(args.before, args.before + args.after)]
-        results[name] = {"before": before, "after": after}
+        results[name] = {"before": before, "after": after, "loss_scale": saved_scale}
         engine.destroy()
         del engine
     dist.barrier()

@@ -3,7 +3,8 @@
 The real DeepSpeed (``.venv-peers``, built by ``make peers``) trains :class:`PeerNet` on 2 ranks at
 ZeRO stages 1, 2 and 3, saves, and continues for a few steps: the reference. zkit loads each saved
 directory at the same world size and stage, at world size 1 and at another stage, continues on the
-same batches, and its losses must equal DeepSpeed's within 1e-4 relative (fp32). The checkpoints
+same batches, and its losses must equal DeepSpeed's within 1e-4 relative (fp32; bf16 and fp16 within
+their rounding). DeepSpeed's pipeline checkpoints continue in zkit at other stage counts. The checkpoints
 are generated once per session in a temporary directory; nothing binary is committed.
 """
 from __future__ import annotations
@@ -27,10 +28,12 @@ PEER_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
 BEFORE, AFTER = 3, 3
 RTOL = 1e-4
 STAGES = (1, 2, 3)
-#: DeepSpeed's CPU offload (its own CPU Adam) and bf16
-OTHER_RUNS = ("2:fp32:offload", "3:bf16")
+#: DeepSpeed's CPU offload (its own CPU Adam), bf16, and fp16 with its dynamic loss scale
+OTHER_RUNS = ("2:fp32:offload", "3:bf16", "2:fp16")
 #: bf16 continues within bf16's rounding (8 bits of mantissa), not bit for bit
 BF16_RTOL = 2e-2
+#: fp16 (11 bits)
+FP16_RTOL = 5e-3
 
 
 def _peer_missing() -> str | None:
@@ -86,6 +89,7 @@ def continue_runs(runs: list[tuple[str, int, str]]) -> list[dict]:
         engine, *_ = zkit.initialize(model=model, config=ds_config(stage, world, dtype))
         loaded, client = engine.load_checkpoint(path)
         restored = {"steps": engine.global_steps, "samples": engine.global_samples, "lr": engine.get_lr()[0],
+                    "loss_scale": engine.loss_scaler.state_dict()["scale"],
                     "epoch": client.get("epoch"), "note": client.get("note"), "loaded": loaded}
         losses = []
         for k in range(BEFORE, BEFORE + AFTER):
@@ -122,22 +126,26 @@ def test_zkit_continues_deepspeed_runs(deepspeed_run, world):
 
 
 
-def test_zkit_continues_offloaded_and_bf16_deepspeed_runs(deepspeed_run):
+def test_zkit_continues_offloaded_bf16_and_fp16_deepspeed_runs(deepspeed_run):
     """DeepSpeed's CPU-offload checkpoint (its CPU Adam keeps an integer step) into stages 2 and 1;
-    its bf16 stage-3 checkpoint into zkit bf16 at stage 3 and fp32 at stage 2."""
+    its bf16 stage-3 checkpoint into zkit bf16 at stage 3 and fp32 at stage 2; its fp16 stage-2
+    checkpoint into zkit fp16 at stage 2 (the dynamic loss scale carried over) and fp32 at stage 3."""
     root, reference = deepspeed_run
     runs = [(str(root / "2-fp32-offload"), 2, "fp32"), (str(root / "2-fp32-offload"), 1, "fp32"),
-            (str(root / "3-bf16"), 3, "bf16"), (str(root / "3-bf16"), 2, "fp32")]
+            (str(root / "3-bf16"), 3, "bf16"), (str(root / "3-bf16"), 2, "fp32"),
+            (str(root / "2-fp16"), 2, "fp16"), (str(root / "2-fp16"), 3, "fp32")]
     results = run_ranks(continue_runs, 2, args=(runs,), timeout=300)[0]
     for (path, stage, dtype), got in zip(runs, results):
         name = Path(path).name
-        rtol = BF16_RTOL if "bf16" in (name, dtype) or "bf16" in name else RTOL
+        rtol = BF16_RTOL if "bf16" in name else FP16_RTOL if "fp16" in name else RTOL
         _expect_same(got["losses"], reference[name]["after"], f"DeepSpeed {name} -> zkit stage {stage} {dtype}", rtol)
         assert got["steps"] == BEFORE
+        if dtype == "fp16":  # DeepSpeed's dynamic loss scale at the save
+            assert got["loss_scale"] == reference[name]["loss_scale"], got
 
 
 
-@pytest.mark.parametrize("run", [f"{s}-fp32" for s in STAGES] + ["2-fp32-offload", "3-bf16"])
+@pytest.mark.parametrize("run", [f"{s}-fp32" for s in STAGES] + ["2-fp32-offload", "3-bf16", "2-fp16"])
 def test_consolidate_equals_deepspeeds_zero_to_fp32(deepspeed_run, run, tmp_path, capsys):
     """``zkit consolidate`` on a DeepSpeed directory writes what DeepSpeed's ``zero_to_fp32``
     consolidates, bit for bit (safetensors and .pt), every buffer included."""
