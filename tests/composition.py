@@ -56,8 +56,10 @@ NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "zeroone_adam", "client_s
             "block_sparse")
 #: features with a model of a transformer's layers (the others train the residual network)
 GPT_FEATURES = ("block_sparse", "tied_weights")
-#: features that run on 4 ranks: every pair with one of them runs in a 4-rank group of its own
+#: cells that run on 4 ranks, in a process group of their own: those with a feature of FOUR_RANKS,
+#: and those with every feature of a set in FOUR_RANK_PAIRS (2 stages x 2 tensor ranks)
 FOUR_RANKS = ("pipeline_dp",)
+FOUR_RANK_PAIRS = ({"pipeline", "tensor_parallel"},)
 STAGES = ("zero1", "zero2", "zero3")
 
 #: pairs refused at initialize: why, and words the error must contain (it names both features)
@@ -97,8 +99,6 @@ NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"),
                      ("cpu_offload", "nvme_offload"), ("onebit_adam", "zeroone_adam"), ("pipeline", "pipeline_dp")}
 #: pairs the matrix does not run, and the test that covers them (or why none does)
 ELSEWHERE: dict[tuple[str, str], str] = {
-    ("pipeline", "tensor_parallel"): "not run: 2 stages x 2 tensor ranks need 4 ranks, and no other test builds a "
-                                     "PipelineModule over a grid with a tensor axis",
     ("pipeline", "tied_weights"): "an embedding tied to the head across the 2 stages (TiedLayerSpec): "
                                   "plugins/zkit-pipeline/tests/test_pipeline_engine.py (the tied cases against "
                                   "single-process training; ZeRO 2 with weights tied across stages refused)",
@@ -114,7 +114,8 @@ def pairs() -> list[tuple[str, str]]:
 
 def ranks(cell: tuple[str, ...]) -> int:
     """How many ranks a cell runs on."""
-    return 4 if any(f in FOUR_RANKS for f in cell) else 2
+    four = any(f in FOUR_RANKS for f in cell) or any(pair <= set(cell) for pair in FOUR_RANK_PAIRS)
+    return 4 if four else 2
 
 
 def expected(pair: tuple[str, str]) -> str:
@@ -196,9 +197,10 @@ def markdown() -> str:
         "",
         "Written by `python tests/composition.py > docs/compatibility.md` from the matrix that",
         "`tests/test_composition.py` runs (2 ranks, gloo; pairs with "
-        + ", ".join(f"`{f}`" for f in FOUR_RANKS) + " on 4 ranks,",
-        "in a process group of their own); a test fails when this page and the matrix differ. A cell",
-        "is one of:",
+        + ", ".join(f"`{f}`" for f in FOUR_RANKS) + " and "
+        + ", ".join(" × ".join(f"`{f}`" for f in sorted(pair)) for pair in FOUR_RANK_PAIRS) + " on 4",
+        "ranks, in a process group of their own); a test fails when this page and the matrix differ.",
+        "A cell is one of:",
         "",
         "- **=**: the pair trains and its parameters equal its reference, the same run with only the",
         "  pair's numerics and model features (dtype, clipping, optimizer, GPT model) at ZeRO stage 0",

@@ -125,29 +125,37 @@ def _is_pipeline(features: tuple[str, ...]) -> bool:
 
 
 def _model(features: tuple[str, ...]) -> torch.nn.Module:
-    if "tensor_parallel" in features:
+    tensor_parallel = "tensor_parallel" in features
+    if tensor_parallel and not _is_pipeline(features):
         from zkit_pipeline import TensorParallelModule
 
         return TensorParallelModule(lambda tp: _split_mlps(Net(features), tp), tensor=2)
     if not _is_pipeline(features):
         return Net(features)
-    from zkit_pipeline import PipelineModule
+    from zkit_pipeline import PipelineModule, ProcessGrid
 
-    return PipelineModule(layers(features), num_stages=2, loss_fn=_loss, partition_method="uniform",
+    grid, stage_layers = None, layers(features)
+    if tensor_parallel:  # 2 stages x 2 tensor ranks: the layers are split before the stages are cut
+        from zkit.builtin.comm_torch import TorchCommunicator
+
+        grid = ProcessGrid(pipe=2, tensor=2)
+        tp = TorchCommunicator(grid.build_groups(torch.distributed.get_rank())["tensor"], None)
+        stage_layers = [_split_mlps(layer, tp) for layer in stage_layers]
+    return PipelineModule(stage_layers, num_stages=2, loss_fn=_loss, partition_method="uniform", topology=grid,
                           activation_checkpoint_interval=1 if "act_ckpt" in features else 0)
 
 
-def _whole(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A tensor-parallel model's sliced parameters put together from the tensor group."""
+def _whole(model: torch.nn.Module, group) -> dict[str, torch.Tensor]:
+    """A tensor-parallel model's sliced parameters put together from the tensor ``group``."""
     from zkit_pipeline.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     out = {}
-    for name, module in model.module.named_modules():
+    for name, module in model.named_modules():
         dim = 0 if isinstance(module, ColumnParallelLinear) else 1 if isinstance(module, RowParallelLinear) else None
         for pname, p in module.named_parameters(recurse=False) if dim is not None else ():
             if getattr(p, "tensor_parallel", False):
                 parts = [torch.empty_like(p) for _ in range(module.comm.world_size)]
-                torch.distributed.all_gather(parts, p.detach().contiguous(), group=model.grid_groups["tensor"])
+                torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
                 out[f"{name}.{pname}"] = torch.cat(parts, dim=dim if pname == "weight" else 0)
     return out
 
@@ -157,17 +165,19 @@ def _named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     from zkit.zero import GatheredParameters
 
     with GatheredParameters(list(model.parameters())):
-        if hasattr(model, "layer_range"):  # a pipeline stage: chunks.0.<local index>....
-            start, _ = model.layer_range(0)
-            out = {}
-            for name, p in model.named_parameters():
-                _, _, local, rest = name.split(".", 3)
-                out[f"layers.{start + int(local)}.{rest}"] = p.detach().float().clone()
-            return out
+        tensor_group = getattr(model, "grid_groups", {}).get("tensor")
         if hasattr(model, "tensor_comm"):  # a TensorParallelModule: module.<plain name>
-            whole = _whole(model)
-            return {name: whole.get(name, p.detach()).float().clone() for name, p in model.module.named_parameters()}
-        return {name: p.detach().float().clone() for name, p in model.named_parameters()}
+            model = model.module
+        whole = _whole(model, tensor_group) if tensor_group is not None else {}
+        params = {name: whole.get(name, p.detach()).float().clone() for name, p in model.named_parameters()}
+        if not hasattr(model, "layer_range"):
+            return params
+        start, _ = model.layer_range(0)  # a pipeline stage: chunks.0.<local index>....
+        out = {}
+        for name, p in params.items():
+            _, _, local, rest = name.split(".", 3)
+            out[f"layers.{start + int(local)}.{rest}"] = p
+        return out
 
 
 def _train(engine, features: tuple[str, ...], cfg: dict, steps: range) -> None:
