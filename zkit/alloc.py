@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import abc
 from collections import defaultdict
+from typing import Sequence
 
 import torch
+
+from zkit.copies import CopyQueue
+from zkit.stores import MasterStore, OptimizerStepper, ParamShardStore
 
 PURPOSES = ("param", "grad", "master", "master_grad", "optim_state", "bucket", "activation")
 
@@ -18,26 +22,27 @@ PURPOSES = ("param", "grad", "master", "master_grad", "optim_state", "bucket", "
 class Allocator(abc.ABC):
     """Hands out flat, 1-D, contiguous buffers and counts live bytes per purpose.
 
-    Two optional methods let an allocator take over more than placement (the ZeRO partitioner
-    looks them up with ``getattr``):
+    Three methods let an allocator take over more than placement; each answers ``None`` by
+    default (see :mod:`zkit.stores` for the protocols):
 
-    * ``step_optimizer(optimizer)``: run the optimizer step itself, e.g. sub-group by sub-group
-      around swaps of the optimizer state (zkit-offload's ``nvme``).
-    * ``param_shard_store(dtype)``: at stage 3, return a store that keeps parameter shards
-      elsewhere (files on NVMe) and reads them ahead of use, or ``None``; see
-      ``zkit/zero/stage3.py`` for the calls it must answer.
-    * ``master_store(shard_sizes)``: at stages 2-3, return a store that keeps the fp32 master and
-      its gradients elsewhere (files on NVMe), or ``None``. The partitioner then calls
-      ``write_master(unit, values)``, ``read_master(unit)``, ``add_grad(unit, grad)`` (one
-      micro-step's reduced shard, accumulated until ``zero_grad()``), ``grad_norm_sq()`` and
-      ``step(optimizer, owned, grad_factor, publish)``, which steps the optimizer and calls
-      ``publish(unit, master)`` for every updated unit; ``self.master`` holds placeholders.
+    * :meth:`master_store`: at stages 2-3, a store that keeps the fp32 master and its gradients
+      elsewhere (files on NVMe);
+    * :meth:`param_shard_store`: at stage 3, a store that keeps parameter shards elsewhere and
+      reads them ahead of use;
+    * :meth:`optimizer_stepper`: a function that runs the optimizer step itself, e.g. sub-group by
+      sub-group around swaps of the optimizer state (zkit-offload's ``nvme``).
+
+    Copies between its host buffers and the device go through :attr:`copies` (a side stream on
+    an accelerator, plain ``copy_`` on a CPU-only run); host buffers are pinned (:meth:`pin`) so
+    those copies are asynchronous.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._live: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
+        #: host<->device copies of the buffers this allocator hands out (:mod:`zkit.copies`)
+        self.copies = CopyQueue(self.device)
 
     @abc.abstractmethod
     def place(self, purpose: str) -> torch.device:
@@ -51,6 +56,21 @@ class Allocator(abc.ABC):
     def close(self) -> None:
         """Release what the allocator holds beyond its buffers (swap files, threads); the engine
         calls it once from ``engine.close()``. Default: nothing to release."""
+
+    def master_store(self, shard_sizes: Sequence[int]) -> MasterStore | None:
+        """At ZeRO stages 2-3, where the fp32 master of each unit's shard (``shard_sizes``: elements
+        per unit) and its gradients live when not in this allocator's buffers. Default: ``None``."""
+        return None
+
+    def param_shard_store(self, dtype: torch.dtype) -> ParamShardStore | None:
+        """At stage 3, where parameter shards of ``dtype`` live when not in this allocator's
+        buffers. Default: ``None`` (shards in buffers of purpose ``"param"``)."""
+        return None
+
+    def optimizer_stepper(self) -> OptimizerStepper | None:
+        """A function to call in place of ``optimizer.step()`` (the gradients are set and scaled).
+        Default: ``None``, the partitioner steps (or fuses the step with the unscaling)."""
+        return None
 
     def pin(self, purpose: str) -> bool:
         """Whether host buffers of ``purpose`` should be page-locked (only meaningful with CUDA)."""

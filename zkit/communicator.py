@@ -20,6 +20,7 @@ A compressed communicator counts what it really sends (packed bits plus scales).
 from __future__ import annotations
 
 import abc
+import contextlib
 from collections import defaultdict
 from typing import Any, Protocol, Sequence
 
@@ -138,6 +139,11 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Gather one picklable object per rank (small metadata only)."""
+
+    def coalesced(self) -> contextlib.AbstractContextManager:
+        """A block whose collectives (issued with ``async_op=True``, waited after the block) the
+        communicator may launch as one batch. Default: issued one by one, as outside."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:
         """Free what the communicator created (its own process group)."""

@@ -1,5 +1,6 @@
 """The default communicator: torch.distributed collectives (gloo on CPU, NCCL on GPU) with byte
-counters. Other communicators (1-bit compression) wrap or subclass this one."""
+counters. Other communicators (1-bit compression) wrap or subclass this one. How the flat
+all-gather and reduce-scatter run on the backend is chosen once, in :mod:`zkit.builtin.collectives`."""
 from __future__ import annotations
 
 import contextlib
@@ -10,12 +11,9 @@ import torch.distributed as dist
 
 import zkit
 from zkit import diagnostics
+from zkit.builtin import collectives
 from zkit.communicator import Communicator, DoneHandle, check_op
 from zkit.records import CommunicatorRecord
-
-# torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
@@ -33,19 +31,27 @@ class _AvgHandle:
             self.work = None
 
 
-class _AllDone:
-    """One handle over several works issued together, then an optional finishing step."""
+class _Batch:
+    """The collectives issued inside one :meth:`TorchCommunicator.coalesced` block: one work,
+    known when the block ends; every member's handle waits for it."""
 
-    def __init__(self, works: list[Any], then: Any = None) -> None:
-        self.works, self.then = works, then
+    def __init__(self) -> None:
+        self.members = 0
+        self.manager: Any = None  # the coalescing manager, once the block has ended
+        self.done = False
+
+    def member(self) -> "_Batch":
+        self.members += 1
+        return self
 
     def wait(self) -> None:
-        for work in self.works:
-            work.wait()
-        self.works = []
-        if self.then is not None:
-            self.then()
-            self.then = None
+        if self.manager is None:
+            # a ValueError: a usage error, not a collective failure to report across ranks
+            raise ValueError("a collective issued inside comm.coalesced() was waited for inside the block; "
+                               "wait after the block, when the batch has been launched")
+        if not self.done:  # once: gloo's coalesced work copies its results out again at every wait
+            self.manager.wait()
+            self.done = True
 
 
 class _Watched:
@@ -64,9 +70,11 @@ class TorchCommunicator(Communicator):
 
     With a collective timeout (``comms_timeout_s``, ``ZKIT_COMMS_TIMEOUT_S``) the communicator runs
     on its own group with that timeout, and a collective that fails raises
-    :class:`zkit.diagnostics.CollectiveFailed` with every rank's last fingerprints."""
+    :class:`zkit.diagnostics.CollectiveFailed` with every rank's last fingerprints.
+    ``flat_collectives`` (``"native"`` or ``"per_rank"``) overrides the backend's choice of
+    flat collectives (:func:`zkit.builtin.collectives.choose`)."""
 
-    def __init__(self, group: Any = None, config: Any = None) -> None:
+    def __init__(self, group: Any = None, config: Any = None, flat_collectives: str | None = None) -> None:
         timeout = diagnostics.timeout_seconds(config)
         self._own_group = None
         if group is None and timeout and dist.get_world_size() > 1:
@@ -74,6 +82,8 @@ class TorchCommunicator(Communicator):
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.backend = dist.get_backend(group)
+        self.flat = collectives.choose(self.backend, flat_collectives)
+        self._batch: _Batch | None = None
         # Global rank -> rank in this group, for send/recv/broadcast, which take global ranks.
         self._global_ranks = (
             list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
@@ -102,6 +112,36 @@ class TorchCommunicator(Communicator):
             dist.destroy_process_group(self._own_group)
             self._own_group = None
 
+    @contextlib.contextmanager
+    def coalesced(self) -> Iterator[None]:
+        """Flat collectives of one kind issued inside the block (``async_op=True``) go out as one
+        batch where the backend batches them (one NCCL launch); each handle waits for the batch.
+        Elsewhere (gloo's per-rank collectives) they are issued one by one, as outside."""
+        if self._batch is not None or not self.flat.coalesces or self.world_size == 1:
+            yield
+            return
+        batch = self._batch = _Batch()
+        try:
+            with dist._coalescing_manager(group=self.group, async_ops=True) as manager:
+                yield
+        except BaseException:
+            # torch keeps the collectives recorded by a block that raised: drop them, or the
+            # next block of this group would refuse to start
+            dist.distributed_c10d._world.pg_coalesce_state.pop(self.group or dist.distributed_c10d._get_default_group(), None)
+            raise
+        finally:
+            self._batch = None
+        if batch.members:
+            batch.manager = manager
+
+    def _check_batched(self, async_op: bool) -> None:
+        if self._batch is not None and not async_op:
+            raise ValueError("collectives inside comm.coalesced() must be issued with async_op=True")
+
+    def _flat_work(self, work):
+        """A flat collective's work, or its batch's inside :meth:`coalesced`."""
+        return work if self._batch is None else self._batch.member()
+
     def _finish(self, work, async_op: bool, post=None):
         handle = post(work) if post else work
         handle = _Watched(handle, self) if handle is not None else None
@@ -114,7 +154,7 @@ class TorchCommunicator(Communicator):
     def _reduce(self, tensor: torch.Tensor, op: str, run) -> Any:
         """Run a reducing collective, doing ``avg`` as sum + divide where the backend lacks it."""
         check_op(op)
-        if op == "avg" and self.backend == "nccl":
+        if op == "avg" and self.flat.native_avg:
             return run(dist.ReduceOp.AVG), None
         work = run(_OPS["sum" if op == "avg" else op])
         if op == "avg":
@@ -133,50 +173,27 @@ class TorchCommunicator(Communicator):
 
     def reduce_scatter(self, output, input, op="sum", async_op=False, key=None):
         _check_sizes("reduce_scatter", output, input, self.world_size)
+        self._check_batched(async_op)
         self.account("reduce_scatter", self.ring_bytes("reduce_scatter", _nbytes(input)))
         self.fingerprints.record("reduce_scatter", input)
         if self.world_size == 1:
             output.copy_(input)
             return DoneHandle() if async_op else None
-        if self.backend == "gloo":
-            run = lambda o: self._reduce_per_rank(output, input, o)  # noqa: E731
-        else:
-            run = lambda o: _reduce_scatter_flat(output, input, op=o, group=self.group, async_op=True)  # noqa: E731
-        work, post = self._reduce(output, op, run)
-        return self._finish(work, async_op, post)
-
-    def _reduce_per_rank(self, output, input, op):
-        # gloo: one reduce to each chunk's owner moves the same bytes as its reduce-scatter but
-        # runs 1.3-2.3x faster at 5M-23M elements on 2-4 ranks (contrib/bench/bench_gloo_collectives.py).
-        # The reduces work in place, so chunks of ``input`` that other ranks own end up undefined.
-        chunks = input.view(self.world_size, -1)
-        works = [
-            dist.reduce(chunks[k], dst=self._global_ranks[k], op=op, group=self.group, async_op=True)
-            for k in range(self.world_size)
-        ]
-        own = chunks[self.rank]
-        return _AllDone(works, None if own.data_ptr() == output.data_ptr() else (lambda: output.copy_(own)))
+        work, post = self._reduce(
+            output, op, lambda o: self.flat.reduce_scatter(output, input, o, self.rank, self._global_ranks, self.group)
+        )
+        return self._finish(self._flat_work(work), async_op, post)
 
     def all_gather(self, output, input, async_op=False):
         _check_sizes("all_gather", input, output, self.world_size)
+        self._check_batched(async_op)
         self.account("all_gather", self.ring_bytes("all_gather", _nbytes(output)))
         self.fingerprints.record("all_gather", output)
         if self.world_size == 1:
             output.copy_(input)
             return DoneHandle() if async_op else None
-        if self.backend != "gloo":
-            return self._finish(_all_gather_flat(output, input, group=self.group, async_op=True), async_op)
-        # gloo: each rank broadcasting its chunk moves the same bytes as its all-gather but runs
-        # 2-3.4x faster at 5M-23M elements on 2-4 ranks (contrib/bench/bench_gloo_collectives.py).
-        chunks = output.view(self.world_size, -1)
-        own = chunks[self.rank]
-        if own.data_ptr() != input.data_ptr():
-            own.copy_(input)
-        works = [
-            dist.broadcast(chunks[k], src=self._global_ranks[k], group=self.group, async_op=True)
-            for k in range(self.world_size)
-        ]
-        return self._finish(_AllDone(works), async_op)
+        work = self.flat.all_gather(output, input, self.rank, self._global_ranks, self.group)
+        return self._finish(self._flat_work(work), async_op)
 
     def all_to_all(self, output, input, async_op=False):
         if output.numel() != input.numel() or input.numel() % self.world_size:
@@ -229,7 +246,7 @@ class TorchCommunicator(Communicator):
 
     def subgroup(self, ranks: Sequence[int]) -> "TorchCommunicator":
         group = dist.new_group(ranks=sorted(ranks))
-        return type(self)(group)
+        return type(self)(group, flat_collectives=self.flat.kind)
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -101,8 +101,7 @@ class Init:
             return
         _, records = configure(pm, Stack(), config)
         allocator = records["allocator"].factory(self.device, config)
-        make_store = getattr(allocator, "param_shard_store", None)
-        self.store = make_store(self.dtype or torch.float32) if callable(make_store) else None
+        self.store = allocator.param_shard_store(self.dtype or torch.float32)
         if self.store is not None:
             self.allocator = allocator
 

@@ -12,11 +12,11 @@ unit: the fp32 master copy and the optimizer state of those elements. Stage 0 ow
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import torch
 
+from zkit.copies import DONE, Copy
 from zkit.optim.fused_step import FusedStepOptimizer
 from zkit.partition import GradPiece, PartitionContext, Partitioner, Piece
 from zkit.zero import full_state
@@ -76,6 +76,8 @@ class ZeroPartitioner(Partitioner):
         self.units = self._plan_units(named)
         self.unit_params = [[self.param_of[s.name] for s in u.slots] for u in self.units]
         self.unit_of = {id(p): u.index for u in self.units for p in self.unit_params[u.index]}
+        #: unit -> the copy of its updated master into the parameters, until its gather waits for it
+        self._published: dict[int, Copy] = {}
         self._build_param_buffers()
         self._build_master()
         self.optimizer = self._build_optimizer()
@@ -121,8 +123,7 @@ class ZeroPartitioner(Partitioner):
         place = self.allocator.place("master")
         # Stages 2-3 hold gradients as shards, so an allocator may keep master and gradients
         # elsewhere (zkit-offload's NVMe): then ``self.master`` holds zero-stride placeholders.
-        make_store = getattr(self.allocator, "master_store", None) if self.stage >= 2 else None
-        self.master_store = make_store([u.shard for u in self.units]) if callable(make_store) else None
+        self.master_store = self.allocator.master_store([u.shard for u in self.units]) if self.stage >= 2 else None
         if self.master_store is not None:
             self.master_is_param = False
             placeholder = torch.empty((), dtype=torch.float32, device=self.allocator.place("master"))
@@ -242,32 +243,28 @@ class ZeroPartitioner(Partitioner):
             self.comm.all_reduce(sq, "sum")
         return sq.sqrt()
 
-    def grads_finite(self) -> torch.Tensor:
-        # One read pass over the owned pieces, no temporary: a NaN or infinity makes the sum
-        # non-finite (a sum past fp32's range counts too; Adam would square such gradients to inf).
-        # bf16 and fp32 sum in their own dtype (the fast kernel); fp16's range is too small.
-        if self.master_store is not None:
-            return torch.tensor(math.isfinite(self.master_store.grad_norm_sq()))  # noted as stored
-        sums = [(g.sum(dtype=torch.float32) if g.dtype == torch.float16 else g.sum()).float()
-                for g in (piece.grad for piece in self.reduced_grads())]
-        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.tensor(True)
-
     def _master_grads(self) -> list[torch.Tensor]:
         shards = self._grad_shards()
         if self.master_is_param:
             return shards
-        return [g.to(device=self.master_device, dtype=torch.float32) for g in shards]
+        # To the master's memory and fp32: on the side stream, a bounded number at a time, while
+        # the next ones are issued; the step reads them on the host once each has landed.
+        moved = [self.allocator.copies.to(g, self.master_device, torch.float32) for g in shards]
+        for _, copy in moved:
+            copy.wait()
+        return [g for g, _ in moved]
 
     def step(self, grad_factor: float) -> None:
         self.wait_for_parameters()  # the in-place all-gathers read the shard the step writes
+        self.allocator.copies.synchronize()  # copies in flight may still read host buffers the step writes
         if self.master_store is not None:
             # master, gradients and state stream through host buffers sub-group by sub-group
-            self.master_store.step(self.optimizer, self.owned, grad_factor, self._publish_unit)
+            self.master_store.step(self.optimizer, self.owned, grad_factor, self._publish_from_buffer)
             self._gather_params()
             return
         grads = self._master_grads()
         # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
-        stepper = getattr(self.allocator, "step_optimizer", None)
+        stepper = self.allocator.optimizer_stepper()
         fused = stepper is None and _fuses(self.optimizer)
         if grad_factor != 1.0 and not fused:
             for g in grads:
@@ -305,7 +302,7 @@ class ZeroPartitioner(Partitioner):
         own pass: all pieces or none."""
         if self.master_is_param or self.master_store is not None or not _fuses(self.optimizer):
             return False
-        if getattr(self.allocator, "step_optimizer", None) is not None:
+        if self.allocator.optimizer_stepper() is not None:
             return False
         twins = []
         for opt_param, u, a, b, _ in self.owned:
@@ -332,17 +329,32 @@ class ZeroPartitioner(Partitioner):
         return self.master_store.read_master(unit)
 
     def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
-        """Copy one unit's updated master into this rank's shard of the parameters."""
+        """Copy one unit's updated master into this rank's shard of the parameters (on the side
+        stream from a host master; the unit's gather waits for it)."""
         lo, hi = self.units[unit].shard_range(self.rank)
-        self.param_bufs[unit][lo:hi].copy_(master)
+        self._published[unit] = self.allocator.copies.copy(self.param_bufs[unit][lo:hi], master)
+
+    def _publish_from_buffer(self, unit: int, master: torch.Tensor) -> None:
+        """:meth:`_publish_unit` from a buffer the master store reuses once this returns."""
+        self._publish_unit(unit, master)
+        self.allocator.copies.synchronize()
+
+    def _wait_published(self) -> None:
+        """Order the parameters' next use after every publish copy still pending."""
+        for copy in self._published.values():
+            copy.wait()
+        self._published.clear()
 
     def _gather_params(self) -> None:
         if not (self.shards_states and self.world > 1):
+            self._wait_published()
             return
-        if self.refresh is not None:
+        if self.refresh is not None:  # one by one: the next forward waits for each unit's own gather
             self.refresh.start(self._launch_gathers)
             return
-        for h in self._launch_gathers().values():
+        with self.comm.coalesced():  # all waited together: one batch where the backend batches
+            handles = self._launch_gathers()
+        for h in handles.values():
             h.wait()
 
     def _launch_gathers(self) -> dict[int, Any]:
@@ -352,6 +364,7 @@ class ZeroPartitioner(Partitioner):
         for unit in reversed(range(len(self.units))):
             u, buf = self.units[unit], self.param_bufs[unit]
             lo, hi = u.shard_range(self.rank)
+            self._published.pop(unit, DONE).wait()  # the gather sends the published shard
             # in place: the input is this rank's own chunk of the output (gloo and NCCL allow it)
             handles[unit] = self.comm.all_gather(buf, buf[lo:hi], async_op=True)
         return handles
@@ -388,6 +401,7 @@ class ZeroPartitioner(Partitioner):
         """This rank's pieces. A master held in the allocator's store is read into copies here:
         saving reads them, loading writes into them and :meth:`after_load` stores them back (the
         partitioner keeps no reference to them: after a save they are freed with the pieces)."""
+        self.allocator.copies.synchronize()  # a load writes the masters that copies in flight read
         masters = [opt_param.data for opt_param, *_ in self.owned]
         if self.master_store is not None:
             copies = {u.index: self.master_store.read_master(u.index) for u in self.units}

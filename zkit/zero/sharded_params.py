@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
+from zkit.copies import DONE, Copy
 from zkit.zero.flat import Unit
 
 
@@ -216,6 +217,8 @@ class ShardedUnit:
         #: where the shard lives when it is not ``shard`` (an offload allocator's store); None: ``shard``.
         self.store: Any = None
         self._gather_src: torch.Tensor | None = None
+        #: the last copy into the shard or out of it for a gather (``allocator.copies``)
+        self.copy: Copy = DONE
         for p in params:
             p.__class__ = ZeroParameter
             p._zkit_unit = self
@@ -261,7 +264,9 @@ class ShardedUnit:
     def set_shard(self, values: torch.Tensor) -> None:
         """New values of this rank's shard (after an optimizer step or an edit)."""
         if self.store is None:
-            self.shard.copy_(values)
+            if self.shard.device.type == "cpu":
+                self.copy.synchronize()  # a gather's copy may still be reading the old values
+            self.copy = self.allocator.copies.copy(self.shard, values)
         else:
             self.store.put(self, values)
 
@@ -269,15 +274,20 @@ class ShardedUnit:
         """Start gathering (asynchronously) unless gathered or on its way."""
         if self.full is not None:
             return
-        src = self.local_shard()
         # The gathered parameters are computed with: on the training device, wherever shards live.
         device = self.allocator.device
         self.full = torch.empty(self.unit.padded, dtype=self.shard_dtype, device=device)
         self.allocator.track("param", self.full.numel() * self.full.element_size())
-        if src.device != device:  # host shard on an accelerator (pinned: the copy is asynchronous)
-            src = src.to(device, non_blocking=True)
-        self._gather_src = src
-        self.handle = self.comm.all_gather(self.full, src, async_op=True)
+        self._gather_src = self.device_shard(device)
+        self.handle = self.comm.all_gather(self.full, self._gather_src, async_op=True)
+
+    def device_shard(self, device: torch.device) -> torch.Tensor:
+        """This rank's shard on ``device``, ready for a collective there: a host shard is copied on
+        the side stream (pinned: asynchronously), after any write to it still in flight."""
+        self.copy.wait()
+        src, self.copy = self.allocator.copies.to(self.local_shard(), device)
+        self.copy.wait()
+        return src
 
     @property
     def shard_dtype(self) -> torch.dtype:
@@ -295,6 +305,7 @@ class ShardedUnit:
         self.handle = None
         self._gather_src = None
         if self.store is not None:
+            self.copy.synchronize()  # the store reuses the host buffer the copy read
             self.store.release(self)
 
     def _attach(self) -> None:

@@ -10,7 +10,7 @@ the first forward is recorded; afterwards each gather prefetches the next units 
 ``stage3_max_live_parameters`` gathered elements. The gradient path is stage 2's.
 
 Parameter offload: an allocator that places purpose ``"param"`` on the host keeps the shards there
-(gathers copy them to the device); one with a ``param_shard_store(dtype)`` keeps them in that store
+(gathers copy them to the device); one whose ``param_shard_store(dtype)`` returns a store keeps them there
 (NVMe), read ahead of the gathers along the recorded order and written back after each step.
 """
 from __future__ import annotations
@@ -100,8 +100,7 @@ class Stage3(Stage2):
         return self.sharded[unit.index].local_shard()
 
     def _build_master(self, copy: bool = False) -> None:
-        make_store = getattr(self.allocator, "param_shard_store", None)
-        self.param_store = make_store(self.dtype) if callable(make_store) else None
+        self.param_store = self.allocator.param_shard_store(self.dtype)
         # Shards that leave memory cannot be stepped in place: the fp32 master is then a copy
         # even where it could have been the parameters themselves.
         super()._build_master(copy=copy or self.param_store is not None)
@@ -148,15 +147,18 @@ class Stage3(Stage2):
         except ValueError:
             return
         budget, live = self.prefetch_numel, self._live()
-        for nxt in order[self._cursor + 1 :]:
-            su = self.sharded[nxt]
-            if su.full is not None:
-                continue
-            if budget < su.unit.padded or live + su.unit.padded > self.max_live:
-                break
-            su.fetch()
-            budget -= su.unit.padded
-            live += su.unit.padded
+        # One batch of gathers where the backend batches them; not with a shard store, which may
+        # wait for a gather in flight to free a buffer (a batch is waited for only after it).
+        with self.comm.coalesced() if self.param_store is None else contextlib.nullcontext():
+            for nxt in order[self._cursor + 1 :]:
+                su = self.sharded[nxt]
+                if su.full is not None:
+                    continue
+                if budget < su.unit.padded or live + su.unit.padded > self.max_live:
+                    break
+                su.fetch()
+                budget -= su.unit.padded
+                live += su.unit.padded
         if self.param_store is not None:
             # Read the shards of the units after those ahead of their gathers (NVMe latency).
             ahead = [self.sharded[i] for i in order[self._cursor + 1 :] if self.sharded[i].full is None]
@@ -231,10 +233,10 @@ class Stage3(Stage2):
 
     def _gather_params(self) -> None:
         handles = []
-        for su in self.sharded:
-            if su.persistent:
-                src = su.shard if su.shard.device == su.full.device else su.shard.to(su.full.device)
-                handles.append(self.comm.all_gather(su.full, src, async_op=True))
+        with self.comm.coalesced():
+            for su in self.sharded:
+                if su.persistent:
+                    handles.append(self.comm.all_gather(su.full, su.device_shard(su.full.device), async_op=True))
         for h in handles:
             h.wait()
 

@@ -6,6 +6,7 @@ parameter sizes, and a global batch that every rank slices like a DistributedSam
 """
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -348,4 +349,34 @@ def other_optimizer_on_offload(stage: int, nvme_root: str) -> dict:
             out[f"nvme-{route}"] = "accepted"
         except ValueError as exc:
             out[f"nvme-{route}"] = str(exc)
+    return out
+
+
+def deferred_copy_runs(cases: list[tuple], nvme_root: str, steps: int = 2) -> dict:
+    """Per (stage, dtype, offload_optimizer device, offload_param device[, optimizer type]): the
+    final parameters and losses of a plain run and of the same run with every host<->device copy
+    deferred to a fake side stream until its event is waited (:mod:`zkit.fake_streams`), and what
+    the queues saw. An optimizer that does not fuse (SGD) makes the partitioner copy the updated
+    master into the parameters itself instead of the fused step writing them."""
+    from zkit.fake_streams import installed
+
+    world = torch.distributed.get_world_size()
+    out = {}
+    for case in cases:
+        stage, dtype, opt, param, *optimizer = case
+        extra = {"optimizer": {"type": optimizer[0], "params": {"lr": 0.05, "momentum": 0.9}}} if optimizer else {}
+        runs = {}
+        for deferred in (False, True):
+            cfg = config(stage, dtype, world, opt, nvme_root if "nvme" in (opt, param) else None, param=param,
+                         **extra)
+            with installed() if deferred else contextlib.nullcontext([]) as made:
+                engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+                losses = train(engine, steps, 2)
+                bound = engine.allocator.copies.max_in_flight
+                params = params_of(engine)
+                engine.close()
+            runs[deferred] = {"params": params, "losses": losses,
+                              "copies": sum(s.issued for s in made),
+                              "most_outstanding_ok": all(s.outstanding <= bound for s in made)}
+        out[case] = runs
     return out

@@ -141,6 +141,10 @@ class NVMeAllocator(HostAllocator):
             return buf
         return super().empty(numel, dtype, purpose)
 
+    def optimizer_stepper(self) -> Callable[["FusedCPUOptimizer"], None]:
+        """:meth:`step_optimizer`, which the partitioner calls in place of ``optimizer.step()``."""
+        return self.step_optimizer
+
     def step_optimizer(self, optimizer: "FusedCPUOptimizer", grad_factor: float = 1.0) -> None:
         """Step a fused CPU optimizer with its state on NVMe: the parameters are packed into
         sub-groups of ``sub_group_size`` elements whose state is read into host buffers, stepped

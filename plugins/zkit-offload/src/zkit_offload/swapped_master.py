@@ -141,12 +141,16 @@ class SwappedMasterStore:
         batch accumulated; ``grad`` may be reused once this returns."""
         n = self.shard_sizes[unit]
         buf = self._stage()[:n]
+        copies = self.allocator.copies
         if unit in self._sq:  # an earlier micro-step of this batch wrote the unit
+            # a device gradient comes to the host on the side stream while the file is read
+            host, copy = copies.to(grad.reshape(-1), buf.device)
             self._read("grad", unit, buf)
-            buf.add_(grad.reshape(-1))
+            copy.wait()
+            buf.add_(host)
         else:
             self._settle("grad", unit)
-            buf.copy_(grad.reshape(-1))
+            copies.copy(buf, grad.reshape(-1)).wait()
         self._sq[unit] = float(torch.linalg.vector_norm(buf)) ** 2
         self._write("grad", unit, buf)
 

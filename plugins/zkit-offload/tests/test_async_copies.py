@@ -1,0 +1,36 @@
+"""Offload's host<->device copies are ordered by their events: with every copy deferred until its
+event is waited (zkit.fake_streams, standing in for an accelerator's side stream), training gives
+the same parameters and losses as with plain copies, on 2 gloo ranks. A consumer that read a
+copy's destination before waiting, or a host write to a source with its copy still pending, would
+change them."""
+import pytest
+import torch
+
+from zkit.testing import run_ranks
+
+import offload_ranks as orr
+
+#: (stage, dtype, offload_optimizer device, offload_param device[, optimizer]): gradients to the
+#: host master (stage 2 cpu), the updated master copied into the parameters before their gathers
+#: (SGD: a step that does not write them itself), host shards fetched for gathers and written
+#: after the step (stage 3 cpu), NVMe master, gradients and shards through reused host buffers
+CASES = [(2, "bf16", "cpu", "none", "SGD"), (3, "bf16", "cpu", "cpu"),
+         (3, "fp32", "nvme", "nvme"), (2, "bf16", "nvme", "none")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deferred")
+    return run_ranks(orr.deferred_copy_runs, 2, args=(CASES, str(root)), timeout=300)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_deferred_copies_train_exactly_like_plain_ones(results, case):
+    for rank in results:
+        plain, deferred = rank[case][False], rank[case][True]
+        assert plain["copies"] == 0  # a CPU-only run issues no stream copies ...
+        assert deferred["copies"] > 0  # ... and this one went through the side stream
+        assert deferred["most_outstanding_ok"]
+        for a, b in zip(plain["params"], deferred["params"]):
+            assert torch.equal(a, b)
+        assert plain["losses"] == deferred["losses"]
