@@ -235,6 +235,12 @@ def _engine(features: tuple[str, ...], cfg: dict):
     if stack:
         kwargs["stack"] = zkit.Stack(**stack)
     engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
+    if "onebit_comm" in features:  # the cell proves nothing if the stack's choice were dropped
+        from zkit_onebit import OneBitCommunicator
+
+        assert isinstance(engine.comm, OneBitCommunicator), f"the engine reduces through {engine.comm!r}"
+    if "pipeline_dp" in features:
+        assert engine.comm.world_size == 2, f"{engine.comm.world_size} data-parallel replicas, not 2"
     return engine, model
 
 
