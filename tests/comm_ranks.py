@@ -75,14 +75,17 @@ def _engine_runs(flat: str | None, steps: int) -> dict:
         group, config, flat_collectives=flat), description="torch.distributed, flat collectives forced")
     world = torch.distributed.get_world_size()
     out = {}
+    persistent = []
     for name, stage, zero in (("stage2", 2, {}), ("stage2_overlap", 2, {"overlap_param_gather": True}),
-                              ("stage3", 3, {"stage3_param_persistence_threshold": 8,
+                              ("stage3", 3, {"stage3_param_persistence_threshold": 20,  # the LayerNorm stays gathered
                                              "stage3_prefetch_bucket_size": 100})):
         cfg = er.config(stage, "fp32", 1, world)
         cfg["zero_optimization"].update(zero)
         engine, *_ = zkit.initialize(model=er.make_model(), config=cfg, stack=zkit.Stack(communicator=record))
         kind = engine.comm.flat.kind
+        if stage == 3:
+            persistent = [su.module_name for su in engine.partitioner.sharded if su.persistent]
         losses = er.train_engine(engine, steps, 1, world)
-        out[name] = {"params": er.params_of(engine), "losses": losses, "kind": kind}
+        out[name] = {"params": er.params_of(engine), "losses": losses, "kind": kind, "persistent": persistent}
         engine.close()
     return out

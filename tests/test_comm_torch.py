@@ -46,7 +46,8 @@ def test_flat_collectives_match_their_definition(world, flat):
 def test_an_unknown_flat_collective_kind_is_refused():
     from zkit.builtin.collectives import choose
 
-    with pytest.raises(ValueError, match=r"flat collectives 'ring': choose one of native, per_rank \(or None: by backend\)"):
+    message = r"flat collectives 'ring': choose one of native, per_rank \(or None: by backend\)"
+    with pytest.raises(ValueError, match=message):
         choose("gloo", "ring")
 
 
@@ -63,6 +64,7 @@ def test_native_and_per_rank_collectives_train_the_same_parameters():
         a, b = rank[None], rank["native"]
         for case in a:
             assert (a[case]["kind"], b[case]["kind"]) == ("per_rank", "native")
+            assert a["stage3"]["persistent"] == ["norm"]  # persistent units' gathers are batched too
             assert a[case]["losses"] == b[case]["losses"], case
             for x, y in zip(a[case]["params"], b[case]["params"]):
                 assert torch.equal(x, y), case

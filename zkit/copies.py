@@ -84,7 +84,8 @@ class Copy:
 
     __slots__ = ("dst", "src", "event", "queue")
 
-    def __init__(self, dst: torch.Tensor | None, src: torch.Tensor | None, event: Any, queue: "CopyQueue | None") -> None:
+    def __init__(self, dst: torch.Tensor | None, src: torch.Tensor | None, event: Any,
+                 queue: "CopyQueue | None") -> None:
         self.dst, self.src, self.event, self.queue = dst, src, event, queue
 
     def wait(self) -> None:
@@ -155,7 +156,8 @@ class CopyQueue:
         self._in_flight.append(issued)
         return issued
 
-    def to(self, src: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Copy]:
+    def to(self, src: torch.Tensor, device: torch.device,
+           dtype: torch.dtype | None = None) -> tuple[torch.Tensor, Copy]:
         """``src`` converted to ``device`` and ``dtype`` and the copy to wait for: a new (pinned,
         on the host) tensor filled on the side stream, or ``src.to(...)`` where no stream is used."""
         device = torch.device(device)

@@ -127,7 +127,8 @@ class TorchCommunicator(Communicator):
         except BaseException:
             # torch keeps the collectives recorded by a block that raised: drop them, or the
             # next block of this group would refuse to start
-            dist.distributed_c10d._world.pg_coalesce_state.pop(self.group or dist.distributed_c10d._get_default_group(), None)
+            c10d = dist.distributed_c10d
+            c10d._world.pg_coalesce_state.pop(self.group or c10d._get_default_group(), None)
             raise
         finally:
             self._batch = None
