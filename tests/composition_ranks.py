@@ -6,178 +6,9 @@ import traceback
 import torch
 
 import composition as matrix
+from composition_models import batch, build, is_pipeline, loss, named_params
 
 STEPS = 3
-
-
-class Residual(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16))
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.mlp(h)
-
-
-class Embed(torch.nn.Module):
-    """Token and position embeddings: the first layer of the GPT."""
-
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.wpe = torch.nn.Embedding(cfg.seq_len, cfg.d_model)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
-
-
-class Head(torch.nn.Module):
-    def __init__(self, cfg) -> None:
-        super().__init__()
-        self.ln_f = torch.nn.LayerNorm(cfg.d_model)
-        self.lm_head = torch.nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.ln_f(x))
-
-
-def gpt_config(features: tuple[str, ...]):
-    from zkit.models.gpt import GPTConfig
-
-    sparse = "block_sparse" in features
-    return GPTConfig(vocab_size=16, seq_len=32, n_layer=2, n_head=2, d_model=8,
-                     attention="block_sparse" if sparse else "dense",
-                     attention_kwargs={"mode": "fixed", "block": 16} if sparse else {},
-                     tie_embeddings="tied_weights" in features)
-
-
-def is_gpt(features: tuple[str, ...]) -> bool:
-    return any(f in matrix.GPT_FEATURES for f in features)
-
-
-def layers(features: tuple[str, ...]) -> list[torch.nn.Module]:
-    """The model as a layer list (the same weights whether it is split into stages or not)."""
-    torch.manual_seed(0)
-    if not is_gpt(features):
-        return [torch.nn.Linear(8, 16), Residual(), Residual(), torch.nn.Linear(16, 4)]
-    from zkit.models.gpt import Block
-
-    cfg = gpt_config(features)
-    blocks = [Block(cfg) for _ in range(cfg.n_layer)]
-    for block in blocks:
-        # a key bias has no gradient (softmax ignores a constant shift): Adam would turn its rounding
-        # noise, which differs with every reduction order, into steps of the learning rate
-        block.attn.qkv.bias = None
-    return [Embed(cfg), *blocks, Head(cfg)]
-
-
-class Net(torch.nn.Module):
-    """The layers in order; with ``ckpt`` each block runs through zkit.checkpointing."""
-
-    def __init__(self, features: tuple[str, ...]) -> None:
-        super().__init__()
-        self.layers = torch.nn.ModuleList(layers(features))
-        self.ckpt = "act_ckpt" in features
-        if "tied_weights" in features:
-            self.layers[-1].lm_head.weight = self.layers[0].wte.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from zkit import checkpointing
-        from zkit.models.gpt import Block
-
-        for layer in self.layers:
-            blocks = isinstance(layer, (Residual, Block))
-            x = checkpointing.checkpoint(layer, x) if self.ckpt and blocks else layer(x)
-        return x
-
-
-def _split_mlps(model: torch.nn.Module, tp) -> torch.nn.Module:
-    """Each block's MLP as a column- then a row-parallel linear over the tensor group."""
-    from zkit.models.gpt import MLP
-    from zkit_pipeline.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    for module in model.modules():
-        if isinstance(module, Residual):
-            module.mlp[0] = ColumnParallelLinear.from_dense(module.mlp[0], tp)
-            module.mlp[2] = RowParallelLinear.from_dense(module.mlp[2], tp)
-        elif isinstance(module, MLP):
-            module.fc = ColumnParallelLinear.from_dense(module.fc, tp)
-            module.proj = RowParallelLinear.from_dense(module.proj, tp)
-    return model
-
-
-def _loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if y.dtype == torch.long:  # the GPT's next tokens
-        return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
-    return (out.float() - y).pow(2).mean()
-
-
-def _batch(step: int, features: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The global batch of a step: 4 rows, 2 per data-parallel rank of the 2-rank reference."""
-    g = torch.Generator().manual_seed(step)
-    if is_gpt(features):
-        return torch.randint(0, 16, (4, 32), generator=g), torch.randint(0, 16, (4, 32), generator=g)
-    return torch.randn(4, 8, generator=g), torch.randn(4, 4, generator=g)
-
-
-def _is_pipeline(features: tuple[str, ...]) -> bool:
-    return "pipeline" in features or "pipeline_dp" in features
-
-
-def _model(features: tuple[str, ...]) -> torch.nn.Module:
-    tensor_parallel = "tensor_parallel" in features
-    if tensor_parallel and not _is_pipeline(features):
-        from zkit_pipeline import TensorParallelModule
-
-        return TensorParallelModule(lambda tp: _split_mlps(Net(features), tp), tensor=2)
-    if not _is_pipeline(features):
-        return Net(features)
-    from zkit_pipeline import PipelineModule, ProcessGrid
-
-    grid, stage_layers = None, layers(features)
-    if tensor_parallel:  # 2 stages x 2 tensor ranks: the layers are split before the stages are cut
-        from zkit.builtin.comm_torch import TorchCommunicator
-
-        grid = ProcessGrid(pipe=2, tensor=2)
-        tp = TorchCommunicator(grid.build_groups(torch.distributed.get_rank())["tensor"], None)
-        stage_layers = [_split_mlps(layer, tp) for layer in stage_layers]
-    return PipelineModule(stage_layers, num_stages=2, loss_fn=_loss, partition_method="uniform", topology=grid,
-                          activation_checkpoint_interval=1 if "act_ckpt" in features else 0)
-
-
-def _whole(model: torch.nn.Module, group) -> dict[str, torch.Tensor]:
-    """A tensor-parallel model's sliced parameters put together from the tensor ``group``."""
-    from zkit_pipeline.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    out = {}
-    for name, module in model.named_modules():
-        dim = 0 if isinstance(module, ColumnParallelLinear) else 1 if isinstance(module, RowParallelLinear) else None
-        for pname, p in module.named_parameters(recurse=False) if dim is not None else ():
-            if getattr(p, "tensor_parallel", False):
-                parts = [torch.empty_like(p) for _ in range(module.comm.world_size)]
-                torch.distributed.all_gather(parts, p.detach().contiguous(), group=group)
-                out[f"{name}.{pname}"] = torch.cat(parts, dim=dim if pname == "weight" else 0)
-    return out
-
-
-def _named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """This rank's parameters under the plain model's names (``layers.<global index>....``)."""
-    from zkit.zero import GatheredParameters
-
-    with GatheredParameters(list(model.parameters())):
-        tensor_group = getattr(model, "grid_groups", {}).get("tensor")
-        if hasattr(model, "tensor_comm"):  # a TensorParallelModule: module.<plain name>
-            model = model.module
-        whole = _whole(model, tensor_group) if tensor_group is not None else {}
-        params = {name: whole.get(name, p.detach()).float().clone() for name, p in model.named_parameters()}
-        if not hasattr(model, "layer_range"):
-            return params
-        start, _ = model.layer_range(0)  # a pipeline stage: chunks.0.<local index>....
-        out = {}
-        for name, p in params.items():
-            _, _, local, rest = name.split(".", 3)
-            out[f"layers.{start + int(local)}.{rest}"] = p
-        return out
 
 
 def _train(engine, features: tuple[str, ...], cfg: dict, steps: range) -> None:
@@ -188,16 +19,16 @@ def _train(engine, features: tuple[str, ...], cfg: dict, steps: range) -> None:
         replica = engine.module.grid.coord(torch.distributed.get_rank()).data
     rows = 4 // replicas
     for step in steps:
-        x, y = _batch(step, features)
+        x, y = batch(step, features)
         x = x if x.dtype == torch.long else x.to(engine.dtype)
         mine_x, mine_y = x[rows * replica: rows * (replica + 1)], y[rows * replica: rows * (replica + 1)]
         batches = [(mine_x[i:i + micro], mine_y[i:i + micro]) for i in range(0, rows, micro)]
         assert len(batches) == accum
-        if _is_pipeline(features):
+        if is_pipeline(features):
             engine.train_batch(iter(batches))
             continue
         for xs, ys in batches:
-            engine.backward(_loss(engine(xs), ys))
+            engine.backward(loss(engine(xs), ys))
             engine.step()
 
 
@@ -225,7 +56,7 @@ class CountingAllocator:
 def _engine(features: tuple[str, ...], cfg: dict):
     import zkit
 
-    model = _model(features)
+    model = build(features)
     kwargs: dict = {}
     if "client_sgd" in features:
         kwargs["optimizer"] = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
@@ -253,7 +84,7 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
     try:
         if "save_load" not in features:
             _train(engine, features, cfg, range(STEPS))
-            return {"params": _named_params(model)}
+            return {"params": named_params(model)}
         # train, save, and go on in a new engine that loads the checkpoint
         _train(engine, features, cfg, range(STEPS - 1))
         where = f"{ckpt_root}/{'-'.join(features)}"
@@ -262,7 +93,7 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
         engine, model = _engine(features, cfg)
         engine.load_checkpoint(where)
         _train(engine, features, cfg, range(STEPS - 1, STEPS))
-        return {"params": _named_params(model)}
+        return {"params": named_params(model)}
     except Exception:  # noqa: BLE001 - a crash after initialize is what the matrix must not have
         return {"crashed": traceback.format_exc(limit=8)}
     finally:
