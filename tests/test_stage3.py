@@ -63,3 +63,40 @@ def test_ranks_running_different_modules_are_named():
             r"rank \d ran '(b|c)' but rank \d ran '(b|c)'",
             message,
         ), message
+
+
+def _gathered_window(prefetch: int) -> dict:
+    """Rank function: a chain of 8 equal layers at stage 3 with nothing persistent; the most
+    parameter elements gathered at once during forward and backward, and one unit's size."""
+    import torch
+
+    import zkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(10, 10) for _ in range(8)])
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "stage3_prefetch_bucket_size": prefetch}}
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    sharded = engine.partitioner.sharded
+    most = [0]
+
+    def record(*_):
+        most[0] = max(most[0], sum(su.unit.padded for su in sharded if su.full is not None))
+
+    for layer in model:
+        layer.register_forward_hook(record)
+        layer.register_full_backward_hook(record)
+    for _ in range(2):
+        loss = engine(torch.ones(2, 10)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    return {"most": most[0], "unit": max(su.unit.padded for su in sharded)}
+
+
+def test_stage3_gathers_at_most_the_prefetch_window_ahead():
+    """What stage 3 holds gathered is bounded by the prefetch window (which counts the units
+    gathered ahead already), whatever the model's size."""
+    (r, _) = run_ranks(_gathered_window, 2, args=(250,), timeout=300)
+    # the unit in use, the one finishing, and the window ahead (250 elements: two 110-element units)
+    assert r["most"] <= 250 + 2 * r["unit"], r

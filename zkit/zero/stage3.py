@@ -152,12 +152,16 @@ class Stage3(Stage2):
         with self.comm.coalesced() if self.param_store is None else contextlib.nullcontext():
             for nxt in order[self._cursor + 1 :]:
                 su = self.sharded[nxt]
+                # The window ahead is the prefetch size, counting units gathered already (skipped
+                # free, they would let the window reach past its size).
+                if budget < su.unit.padded:
+                    break
+                budget -= su.unit.padded
                 if su.full is not None:
                     continue
-                if budget < su.unit.padded or live + su.unit.padded > self.max_live:
+                if live + su.unit.padded > self.max_live:
                     break
                 su.fetch()
-                budget -= su.unit.padded
                 live += su.unit.padded
         if self.param_store is not None:
             # Read the shards of the units after those ahead of their gathers (NVMe latency).
