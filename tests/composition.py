@@ -41,7 +41,7 @@ FEATURES: dict[str, str] = {
     "tensor_parallel": "zkit-pipeline's TensorParallelModule over the 2 ranks (one replica): each block's MLP a "
                        "column- then a row-parallel linear, the rest replicated",
     "block_sparse": "the model is a 2-block GPT (zkit.models.gpt.Block, 32 tokens) with GPTConfig(attention="
-                    "\"block_sparse\") (zkit-sparse, fixed layout of 16-token blocks)",
+                    "\"block_sparse\") (zkit-sparse, fixed layout of 8-token blocks, 2 local: not dense attention)",
     "tied_weights": "the model is the 2-block GPT with dense attention and its token embedding tied to the head",
     "zeroone_adam": "zkit-onebit's ZeroOneAdam in its first variance phase (every step a variance step: its "
                     "compressed steps are compared with their simulation in its own tests)",

@@ -45,7 +45,7 @@ def gpt_config(features: tuple[str, ...]):
     sparse = "block_sparse" in features
     return GPTConfig(vocab_size=16, seq_len=32, n_layer=2, n_head=2, d_model=8,
                      attention="block_sparse" if sparse else "dense",
-                     attention_kwargs={"mode": "fixed", "block": 16} if sparse else {},
+                     attention_kwargs={"mode": "fixed", "block": 8, "num_local_blocks": 2} if sparse else {},
                      tie_embeddings="tied_weights" in features)
 
 

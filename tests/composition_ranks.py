@@ -72,6 +72,10 @@ def _engine(features: tuple[str, ...], cfg: dict):
         assert isinstance(engine.comm, OneBitCommunicator), f"the engine reduces through {engine.comm!r}"
     if "pipeline_dp" in features:
         assert engine.comm.world_size == 2, f"{engine.comm.world_size} data-parallel replicas, not 2"
+    if "block_sparse" in features:  # (its reference is itself: it must be the sparse kernel)
+        from zkit_sparse import SparseSelfAttention
+
+        assert any(isinstance(m, SparseSelfAttention) for m in model.modules()), "no block-sparse attention"
     return engine, model
 
 
