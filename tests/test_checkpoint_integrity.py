@@ -3,6 +3,7 @@ and ``zkit consolidate`` verify; a ``latest`` leading outside the directory, a f
 staging of a save that died are handled with a message naming the file."""
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -10,10 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import zkit
 from zkit.checkpoint import CheckpointError
 from zkit.checkpoint.consolidate import consolidate
+import zkit.checkpoint.digest as digest_mod
 from zkit.checkpoint.digest import Digest, payload_digests, tensor_digest
 
 import engine_ranks as er
@@ -40,8 +44,25 @@ def _offset_of(shard: Path, tensor: torch.Tensor) -> int:
     return offset
 
 
+_NO_NUMBA = importlib.util.find_spec("numba") is None
+_SUMS = ["numpy", pytest.param("kernel", marks=pytest.mark.skipif(_NO_NUMBA, reason="Numba is not installed"))]
+
+
+def _sum_with(monkeypatch, sums: str) -> None:
+    """Digest with numpy, or with the Numba kernel down to the smallest tensor (fused into the copy)."""
+    monkeypatch.setattr(digest_mod, "_pick", (lambda words: None) if sums == "numpy" else _kernel_always)
+
+
+def _kernel_always(words: int):
+    from zkit.checkpoint.digest_kernel import kernel
+
+    return kernel()
+
+
+@pytest.mark.parametrize("sums", _SUMS)
 @pytest.mark.parametrize("damage", ["block_of_ff", "flipped_bytes"])
-def test_damaged_tensor_bytes_are_refused_at_load_and_consolidate(tmp_path, damage):
+def test_damaged_tensor_bytes_are_refused_at_load_and_consolidate(tmp_path, damage, sums, monkeypatch):
+    _sum_with(monkeypatch, sums)
     shard, master = _saved(tmp_path)
     raw = bytearray(shard.read_bytes())
     start = _offset_of(shard, master)
@@ -60,10 +81,42 @@ def test_damaged_tensor_bytes_are_refused_at_load_and_consolidate(tmp_path, dama
     assert not out.exists()
 
 
-def test_an_undamaged_checkpoint_loads_and_consolidates(tmp_path):
-    _saved(tmp_path)
-    _engine().load_checkpoint(str(tmp_path), tag="t")
+@pytest.mark.parametrize("sums", _SUMS)
+def test_an_undamaged_checkpoint_loads_and_consolidates(tmp_path, sums, monkeypatch):
+    _sum_with(monkeypatch, sums)
+    _, master = _saved(tmp_path)
+    engine = _engine()
+    engine.load_checkpoint(str(tmp_path), tag="t")
+    assert torch.equal(engine.partitioner.pieces()[0].master.reshape(-1), master)
     consolidate(tmp_path, tmp_path / "model.pt", tag="t")
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.uint8]
+
+
+@pytest.mark.skipif(_NO_NUMBA, reason="Numba is not installed")
+@settings(max_examples=150, deadline=None)
+@given(dtype=st.sampled_from(_DTYPES), n=st.integers(0, 700), src_at=st.integers(0, 9), dst_at=st.integers(0, 9),
+       fed=st.integers(0, 40), seed=st.integers(0, 2**31))
+def test_the_kernel_digest_fused_into_a_copy_equals_the_reference(dtype, n, src_at, dst_at, fed, seed):
+    # The kernel (summing alone or while copying) against numpy's sums, for any dtype, length,
+    # offset of either tensor in its buffer, and number of bytes fed to the digest before.
+    g = torch.Generator().manual_seed(seed)
+    width = torch.empty((), dtype=dtype).element_size()
+    src = torch.randint(0, 256, ((src_at + n) * width,), dtype=torch.uint8, generator=g).view(dtype)[src_at:]
+    before = torch.randint(0, 256, (fed,), dtype=torch.uint8, generator=g)
+    buf = torch.zeros(dst_at + n + 3, dtype=dtype)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(digest_mod, "_pick", lambda words: None)
+        reference = Digest().update(before).update(src).hexdigest()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(digest_mod, "_pick", _kernel_always)
+        summed = Digest().update(before).update(src).hexdigest()
+        copied = Digest().update(before).update_copying(src, buf[dst_at : dst_at + n]).hexdigest()
+    assert summed == reference and copied == reference
+    raw = buf.view(torch.uint8)
+    assert torch.equal(raw[dst_at * width : (dst_at + n) * width], src.view(torch.uint8))
+    assert not raw[: dst_at * width].any() and not raw[(dst_at + n) * width :].any()  # nothing written outside
 
 
 def test_latest_leading_outside_the_directory_is_refused(tmp_path):

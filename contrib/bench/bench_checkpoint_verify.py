@@ -2,11 +2,12 @@
 
 Saves a checkpoint of a GPT (one rank, fp32, Adam state), then times, several rounds interleaved:
 reading every rank file as loading does (``torch.load(weights_only=True, mmap=True)`` and a copy of
-every tensor out of the mapping) with and without the digest check, the engine's whole
-``load_checkpoint`` with and without it, and the digest alone against zlib's CRC-32 over the same bytes. Page cache hot
-(the file was just written) unless ``--cold``: the least favourable case for verification, whose
-share grows as the read gets faster; ``--cold`` evicts the files before each timed read, as after a
-restart. ::
+every tensor out of the mapping) with and without the digest check (verified in the copy's pass, as
+loading does), the engine's whole ``load_checkpoint`` with and without it, and the digest alone
+against zlib's CRC-32 over the same bytes. Page cache hot (the file was just written) unless
+``--cold``: the least favourable case for verification, whose share grows as the read gets faster;
+``--cold`` evicts the files before each timed read, as after a restart. ``--no-kernel`` sums with
+numpy, as where Numba is not installed. ::
 
     .venv/bin/python contrib/bench/bench_checkpoint_verify.py --preset medium --threads 1
 """
@@ -24,19 +25,28 @@ from pathlib import Path
 import torch
 
 import zkit
-from zkit.checkpoint.digest import tensor_digest, tensors_in, verify_payload
+import zkit.checkpoint.digest as digest_mod
+from zkit.checkpoint.digest import VerifiedCopies, tensor_digest, tensors_in
 import zkit.checkpoint.load as zkit_load
 from zkit.checkpoint.files import file_digests, rank_file, read_meta
 from zkit.models import GPT, GPTConfig
 
 
-def timed(fn, rounds: int) -> float:
+def timed(fn, rounds: int) -> list[tuple[float, float]]:
+    """``rounds`` runs of ``fn``: each one's wall time and the CPU time of this thread (which does
+    all the work at one thread, and which other processes on a shared machine do not inflate)."""
     samples = []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+        samples.append((time.perf_counter() - start, time.thread_time() - cpu))
+    return samples
+
+
+def summary(samples: list[tuple[float, float]]) -> tuple[float, float, float]:
+    """Median wall time, fastest wall time, median CPU time."""
+    wall = [w for w, _ in samples]
+    return statistics.median(wall), min(wall), statistics.median(c for _, c in samples)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,7 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold", action="store_true",
                    help="evict the checkpoint's files from the page cache before each timed read (posix_fadvise)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the digest uses as many)")
+    p.add_argument("--no-kernel", action="store_true", help="sum with numpy, as without Numba")
     args = p.parse_args(argv)
+    if args.no_kernel:
+        digest_mod._pick = lambda words: None
     torch.set_num_threads(args.threads)
     model = GPT(GPTConfig.preset(args.preset))
     cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
@@ -76,10 +89,12 @@ def main(argv: list[str] | None = None) -> int:
         def read(verify: bool) -> None:
             evict()
             data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            verified = VerifiedCopies()
             if verify:
-                verify_payload(data, digests, path)
+                verified.add(data, digests, path)
             for _, t in tensors_in(data):
-                t.clone()
+                verified.copy(torch.empty_like(t), t)
+            verified.finish()
 
         def digest_only() -> None:
             for _, t in tensors_in(torch.load(path, map_location="cpu", weights_only=True, mmap=True)):
@@ -92,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         read(True)  # warm the page cache
         plain, checked = [], []
         for _ in range(args.rounds):  # interleaved, so drift hits both alike
-            plain.append(timed(lambda: read(False), 1))
-            checked.append(timed(lambda: read(True), 1))
-        t_plain, t_checked = statistics.median(plain), statistics.median(checked)
+            plain += timed(lambda: read(False), 1)
+            checked += timed(lambda: read(True), 1)
+
         def load(verify: bool) -> None:
             # Unverified: the loader reads no checksums, as for a checkpoint written without them.
             saved = zkit_load.file_digests
@@ -107,23 +122,29 @@ def main(argv: list[str] | None = None) -> int:
 
         loads, loads_checked = [], []
         for _ in range(args.rounds):
-            loads.append(timed(lambda: load(False), 1))
-            loads_checked.append(timed(lambda: load(True), 1))
-        t_load0, t_load = statistics.median(loads), statistics.median(loads_checked)
-        t_digest = timed(digest_only, args.rounds)
-        t_crc = timed(crc_only, args.rounds)
+            loads += timed(lambda: load(False), 1)
+            loads_checked += timed(lambda: load(True), 1)
+        digest_alone = timed(digest_only, args.rounds)
+        crc_alone = timed(crc_only, args.rounds)
     gb = nbytes / 1e9
     print(f"checkpoint: {engine.partitioner.units[0].numel / 1e6:.1f}M parameters, rank file {nbytes / 2**20:.0f} MiB, "
-          f"{args.threads} thread(s), page cache {'cold' if args.cold else 'hot'}")
-    print(f"{'measure':42} {'seconds':>8} {'GB/s':>6}")
-    print(f"{'read rank file, no verification':42} {t_plain:>8.3f} {gb / t_plain:>6.2f}")
-    print(f"{'read rank file, verified':42} {t_checked:>8.3f} {gb / t_checked:>6.2f}")
-    print(f"{'engine.load_checkpoint, no verification':42} {t_load0:>8.3f} {gb / t_load0:>6.2f}")
-    print(f"{'engine.load_checkpoint, verified':42} {t_load:>8.3f} {gb / t_load:>6.2f}")
-    print(f"{'zkit digest alone':42} {t_digest:>8.3f} {gb / t_digest:>6.2f}")
-    print(f"{'zlib CRC-32 alone (for comparison)':42} {t_crc:>8.3f} {gb / t_crc:>6.2f}")
-    print(f"verification: +{(t_checked - t_plain) / t_plain * 100:.1f}% of a file read, "
-          f"+{(t_load - t_load0) / t_load0 * 100:.1f}% of engine.load_checkpoint")
+          f"{args.threads} thread(s), page cache {'cold' if args.cold else 'hot'}, digest summed by "
+          f"{'numpy' if digest_mod._pick(1 << 30) is None else 'the Numba kernel'}")
+    rows = [("read rank file, no verification", plain), ("read rank file, verified", checked),
+            ("engine.load_checkpoint, no verification", loads), ("engine.load_checkpoint, verified", loads_checked),
+            ("zkit digest alone", digest_alone), ("zlib CRC-32 alone (for comparison)", crc_alone)]
+    # Wall time: median and fastest round (on a loaded machine the least disturbed); CPU time: median.
+    print(f"{'measure':42} {'wall s':>7} {'GB/s':>6} {'fastest':>7} {'CPU s':>7}")
+    for name, samples in rows:
+        wall, fastest, cpu = summary(samples)
+        print(f"{name:42} {wall:>7.3f} {gb / wall:>6.2f} {fastest:>7.3f} {cpu:>7.3f}")
+
+    def added(without: list, with_: list) -> str:
+        a, b = summary(without), summary(with_)
+        return "/".join(f"{(y - x) / x * 100:+.1f}%" for x, y in zip(a, b))
+
+    print(f"verification adds (wall median / wall fastest / CPU median): {added(plain, checked)} to a file read, "
+          f"{added(loads, loads_checked)} to engine.load_checkpoint")
     return 0
 
 

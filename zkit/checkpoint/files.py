@@ -106,19 +106,15 @@ def file_digests(meta: dict[str, Any], fname: str, where: Path) -> dict[str, str
     return table
 
 
-def load_rank_file(path: Path, digests: dict[str, str] | None = None) -> dict[str, Any]:
-    """Read one rank file (mapped, ``weights_only``); with ``digests``, refuse it unless every
-    tensor matches its saved checksum."""
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """Read one rank file (mapped, ``weights_only``), unverified: the loader verifies each tensor
+    as it copies it out (:class:`zkit.checkpoint.digest.VerifiedCopies`)."""
     if not path.is_file():
         raise CheckpointError(f"{path}: checkpoint shard is missing")
     try:
         data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot read checkpoint shard ({type(exc).__name__}: {exc})") from exc
-    if digests is not None:
-        from zkit.checkpoint.digest import verify_payload
-
-        verify_payload(data, digests, path)
     return data
 
 

@@ -11,6 +11,7 @@ import torch
 from zkit.checkpoint import rng
 from zkit.checkpoint.dcp import is_dcp
 from zkit.checkpoint.deepspeed.layout import looks_like_deepspeed
+from zkit.checkpoint.digest import VerifiedCopies
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import META, file_digests, load_rank_file, rank_file, read_meta, resolve_tag
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
@@ -57,15 +58,23 @@ def _check_state_format(meta: dict[str, Any], engine: "Engine", where: Path) -> 
     )
 
 
+Copy = Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    dst.copy_(src)
+
+
 class _Filler:
     """Copies saved ranges into one owned piece and checks the piece ends up fully covered."""
 
-    def __init__(self, piece: "Piece", engine: "Engine", with_state: bool) -> None:
+    def __init__(self, piece: "Piece", engine: "Engine", with_state: bool, copy: Copy) -> None:
         self.piece = piece
         self.covered = 0
         self.with_state = with_state
         self.state: dict[str, Any] = {}
         self.optimizer = engine.optimizer
+        self.copy = copy
 
     def fill(self, saved: dict[str, Any], where: Path) -> None:
         p = self.piece
@@ -74,10 +83,11 @@ class _Filler:
             return
         src = slice(lo - saved["start"], hi - saved["start"])
         dst = slice(lo - p.start, hi - p.start)
+        whole = lo == saved["start"] and hi == saved["end"]  # a saved tensor itself, not a slice of it
         master = saved["master"]
         if master.numel() != saved["end"] - saved["start"]:
             raise CheckpointError(f"{where}: piece {p.name}[{saved['start']}:{saved['end']}] is truncated")
-        p.master.view(-1)[dst].copy_(master[src])
+        self.copy(p.master.view(-1)[dst], master if whole else master[src])
         self.covered += hi - lo
         if not self.with_state:
             return
@@ -86,7 +96,7 @@ class _Filler:
             if torch.is_tensor(value) and value.dim() > 0 and value.numel() == n:
                 if key not in self.state:
                     self.state[key] = torch.zeros(p.end - p.start, dtype=value.dtype, device="cpu")
-                self.state[key][dst].copy_(value[src])
+                self.copy(self.state[key][dst], value if whole else value[src])
             else:
                 self.state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
 
@@ -111,17 +121,19 @@ def fill_pieces(
     read: Callable[[str], list[dict[str, Any]]],
     where: Path,
     with_state: bool,
+    copy: Copy = _copy,
 ) -> list["Piece"]:
     """Fill every piece this rank owns (its fp32 master values and, ``with_state``, its
     optimizer state) from saved pieces. ``index`` maps each file to the ``(name, start, end)``
     ranges it holds; ``read(file)`` returns the file's saved pieces (dicts with ``name``,
     ``start``, ``end``, ``master`` and ``state``). Only files holding ranges this rank owns are
-    read; a piece left partly uncovered is an error. Returns the filled pieces, for
+    read; a piece left partly uncovered is an error. ``copy(dst, src)`` makes every copy (given a
+    saved tensor itself when the whole of it is copied). Returns the filled pieces, for
     ``partitioner.after_load``."""
     pieces = engine.partitioner.pieces()
     fillers: dict[str, list[_Filler]] = {}
     for piece in pieces:
-        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, with_state))
+        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, with_state, copy))
     for fname, entries in index.items():
         if not any(
             f.piece.start < end and start < f.piece.end
@@ -171,21 +183,30 @@ def load_checkpoint(
     if load_optimizer_states:
         _check_state_format(meta, engine, where)
 
-    # Read (and verify) each file once: rank 0's and this rank's are kept for what follows.
+    # Read each file once: rank 0's and this rank's are kept for what follows. Each tensor is
+    # verified as it is copied out whole (in the copy's pass), the rest before anything else is used.
     kept: dict[str, dict] = {}
+    verified = VerifiedCopies()
 
     def read(fname: str) -> dict:
-        data = kept.get(fname) or load_rank_file(where / fname, file_digests(meta, fname, where))
+        data = kept.get(fname)
+        if data is None:
+            data = load_rank_file(where / fname)
+            digests = file_digests(meta, fname, where)
+            if digests is not None:
+                verified.add(data, digests, where / fname)
         if fname in (rank_file(0), rank_file(engine.rank)):
             kept[fname] = data
         return data
 
-    filled = fill_pieces(engine, meta["index"], lambda fname: read(fname)["pieces"], where, load_optimizer_states)
+    filled = fill_pieces(engine, meta["index"], lambda fname: read(fname)["pieces"], where, load_optimizer_states,
+                         verified.copy)
 
     first = read(rank_file(0))
     mine = first if engine.rank == 0 else None
     if meta["world_size"] == engine.world_size and engine.rank != 0:
         mine = read(rank_file(engine.rank))
+    verified.finish()
     _load_module_extras(engine.module, first.get("module_extras", {}), where)
     if load_optimizer_states:
         saved_groups = first.get("param_groups", [])
