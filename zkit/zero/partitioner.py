@@ -12,6 +12,7 @@ unit: the fp32 master copy and the optimizer state of those elements. Stage 0 ow
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any
 
 import torch
@@ -242,6 +243,16 @@ class ZeroPartitioner(Partitioner):
         if self.shards_states and self.world > 1:
             self.comm.all_reduce(sq, "sum")
         return sq.sqrt()
+
+    def grads_finite(self) -> torch.Tensor:
+        # One read pass over the owned pieces, no temporary: a NaN or infinity makes the sum
+        # non-finite (a sum past fp32's range counts too; Adam would square such gradients to inf).
+        # bf16 and fp32 sum in their own dtype (the fast kernel); fp16's range is too small.
+        if self.master_store is not None:
+            return torch.tensor(math.isfinite(self.master_store.grad_norm_sq()), device="cpu")  # noted as stored
+        sums = [(g.sum(dtype=torch.float32) if g.dtype == torch.float16 else g.sum()).float()
+                for g in (piece.grad for piece in self.reduced_grads())]
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.tensor(True, device="cpu")
 
     def _master_grads(self) -> list[torch.Tensor]:
         shards = self._grad_shards()
