@@ -21,7 +21,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from zkit import diagnostics, distributed
+from zkit import diagnostics, distributed, host_memory
 from zkit.config import ZkitConfig, load_config
 from zkit.microstep import MicroStep
 from zkit.partition import PartitionContext, Partitioner
@@ -74,6 +74,7 @@ def initialize(
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("zkit.initialize needs config= (a dict or a path to a DeepSpeed-style JSON file)")
+    host_memory.return_freed_memory()
     engine = Engine(
         model,
         config,

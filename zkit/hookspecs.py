@@ -105,7 +105,12 @@ def zkit_register_allocators() -> Iterable[AllocatorRecord]:
     pinned host memory, NVMe files). The factory returns a :class:`zkit.alloc.Allocator`; the
     partitioner asks it for every flat buffer, naming the buffer's purpose (``"param"``,
     ``"grad"``, ``"master"``, ``"optim_state"``, ``"bucket"``), so an allocator can place, say,
-    master weights and optimizer state on the host."""
+    master weights and optimizer state on the host. Three typed methods, ``None`` by default, let
+    it take over more (protocols in ``zkit/stores.py``): ``master_store(shard_sizes)`` (stages 2-3:
+    a ``MasterStore`` keeping the fp32 master and its gradients elsewhere), ``param_shard_store(dtype)``
+    (stage 3: a ``ParamShardStore`` keeping parameter shards elsewhere, read ahead of their gathers)
+    and ``optimizer_stepper()`` (a function run in place of ``optimizer.step()``). zkit-offload's
+    ``nvme`` allocator answers all three."""
 
 
 @hookspec

@@ -13,7 +13,7 @@ Default mode (a few minutes on 2 CPU cores) measures, on the same GPT, seed and 
 ``--scale`` instead searches the largest GPT each stage trains for 3 steps at 4 ranks under a
 memory cap (zkit vs DeepSpeed vs FSDP2); it takes long and uses up to ``--scale-cap-gib`` of RAM.
 
-DeepSpeed runs in its own interpreter (``--deepspeed-python``, default ``/tmp/dsvenv/bin/python``
+DeepSpeed runs in its own interpreter (``--deepspeed-python``, default ``.venv-peers/bin/python``
 when it exists) with ``DS_ACCELERATOR=cpu``; without it the DeepSpeed rows are left out. zkit's
 stage 3 row appears when ``zero_optimization.stage = 3`` builds, and says why when it does not.
 
@@ -39,7 +39,7 @@ from zero_formulas import model_state_bytes, ring_traffic_bytes, traffic_element
 from zero_torch_side import OVERLAP_GATHER, zkit_stage  # noqa: E402
 from zero_workloads import DTYPES, Workload, median_and_spread  # noqa: E402
 
-DEFAULT_DS_PYTHON = "/tmp/dsvenv/bin/python"
+DEFAULT_DS_PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venv-peers", "bin", "python")
 STAGES = (0, 1, 2, 3)
 GIB = 2**30
 
@@ -97,6 +97,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale-cap-gib", type=float, default=12.0, help="RAM cap for the whole scale job (all ranks)")
     p.add_argument("--scale-world", type=positive_int, default=4, help="ranks in scale mode")
     p.add_argument("--scale-depths", type=int_list, default=None, help="GPT depths to try (width 1024)")
+    p.add_argument("--scale-stages", type=int_list, default=list(STAGES), help="ZeRO stages searched in scale mode")
     args = p.parse_args(argv)
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
@@ -314,27 +315,31 @@ def scale_mode(args: argparse.Namespace, shim: str) -> str:
     world = args.scale_world
     sizes = zero_scale.ladder(tuple(args.scale_depths) if args.scale_depths else zero_scale.DEPTHS)
     contestants: list[tuple[str, int, Any]] = []
-    for s in STAGES:
+    for s in args.scale_stages:
         contestants.append((f"zkit ZeRO-{s}", s, lambda w, name=f"zkit ZeRO-{s}": merge_or_error(
             run_zkit_side(train_ranks, world, (w, name, cap // world), args.timeout))))
         if args.deepspeed_python:
             contestants.append((f"DeepSpeed ZeRO-{s}", s, lambda w, s=s: zero_scale.run_deepspeed_train(
                 args.deepspeed_python, shim, w, s, world, cap, args.timeout)))
-    contestants.append(("torch FSDP2", 3, lambda w: merge_or_error(
-        run_zkit_side(train_ranks, world, (w, "torch FSDP2", cap // world), args.timeout))))
-    rows = [["contestant", "largest trained", "step s", "peak RSS (all ranks)", "next size"]]
+    if 3 in args.scale_stages:
+        contestants.append(("torch FSDP2", 3, lambda w: merge_or_error(
+            run_zkit_side(train_ranks, world, (w, "torch FSDP2", cap // world), args.timeout))))
+    rows = [["contestant", "largest trained", "step s", "peak RSS (all ranks)", "next size", "zkit estimate", "trained / estimate"]]
     for name, stage, run in contestants:
         log(f"scale: {name}")
         attempts = zero_scale.search(name, stage, run, cap, world, sizes, log)
         good = [a for a in attempts if a.ok]
         bad = [a for a in attempts if not a.ok]
         best = good[-1] if good else None
+        predicted = zero_scale.estimated_largest(stage, world, cap, sizes[0])
         rows.append([
             name,
             f"{best.workload.num_parameters() / 1e6:.0f}M ({best.workload.n_layer} layers)" if best else "none",
             f"{best.step_s:.2f}" if best else "",
             f"{best.peak_rss_total / GIB:.2f} GiB" if best else "",
             (f"{bad[0].workload.num_parameters() / 1e6:.0f}M: {bad[0].note}" if bad else "all sizes trained"),
+            f"{predicted.num_parameters() / 1e6:.0f}M ({predicted.n_layer} layers)",
+            f"{best.workload.num_parameters() / predicted.num_parameters():.2f}" if best else "",
         ])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]

@@ -59,12 +59,14 @@ def _build(w: Any, stage: int) -> tuple[Any, Any]:
     from zero_torch_side import zkit_config
     from zero_workloads import ADAMW, build_model
 
-    model = build_model(w)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
     cfg = zkit_config(w, stage)
     cfg.pop("optimizer")
     cfg.pop("seed")
     cfg["wall_clock_breakdown"] = False
+    # stage 3: built under DeepSpeed's zero.Init, each rank holding only its shard from the start
+    with deepspeed.zero.Init(config_dict_or_path=cfg, enabled=stage == 3):
+        model = build_model(w)
+    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
     engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg, dist_init_required=False)
 
     def step(batch: Any) -> None:

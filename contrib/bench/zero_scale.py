@@ -9,9 +9,11 @@ Two guards keep the machine safe for everything else running on it:
   its resident set passes that, so an attempt that outgrows the prediction dies instead of
   pushing the machine into swap or the OOM killer.
 
-Every rank builds the full fp32 model before the engine shards it (no ``zero.Init`` /
-meta-device construction), for every contestant alike; so at stage 3 the limit found is the
-construction peak of ``4Ψ`` per rank rather than ``16Ψ/N``.
+At stage 3 every contestant builds the model sharded from the start, as its users do for a model
+larger than one rank: zkit under ``zkit.zero.Init``, DeepSpeed under ``deepspeed.zero.Init``,
+FSDP2 on the meta device (sharded, then allocated). Below stage 3 every rank builds the full fp32
+model first. Next to each contestant the table prints the size that ``zkit estimate``
+(:func:`zkit.estimate.estimate_memory`) predicts fits the cap at that stage.
 """
 from __future__ import annotations
 
@@ -26,8 +28,9 @@ from zero_workloads import Workload
 #: resident set of a rank before any model state: interpreter, torch, gloo (measured ~0.4 GiB)
 RANK_BASELINE_BYTES = 512 * 2**20
 
-#: depths tried, in order; width 1024, 16 heads: about 12.6M parameters per layer
-DEPTHS = (2, 4, 8, 16, 24, 32, 48, 64)
+#: depths tried, in order (steps of 1.1-1.5x, finer than doubling); width 1024, 16 heads: about
+#: 12.6M parameters per layer
+DEPTHS = (2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 32, 36, 40, 48, 56, 64)
 
 
 def ladder(depths: tuple[int, ...] = DEPTHS) -> list[Workload]:
@@ -49,12 +52,32 @@ def ladder(depths: tuple[int, ...] = DEPTHS) -> list[Workload]:
 
 def predicted_bytes(stage: int, psi: int, world: int) -> float:
     """Model states of the whole job in fp32 with Adam (4 + 4 + 8 bytes per parameter, the
-    parameters being the master), at least the full fp32 model each rank builds first, plus each
-    rank's baseline resident set."""
+    parameters being the master; stages 0-2 also build the full fp32 model on every rank, which
+    these include), plus each rank's baseline resident set."""
     per_rank = {0: 16.0 * psi, 1: 8.0 * psi + 8.0 * psi / world, 2: 4.0 * psi + 12.0 * psi / world}.get(
         stage, 16.0 * psi / world
     )
-    return world * (max(per_rank, 4.0 * psi) + RANK_BASELINE_BYTES)
+    return world * (per_rank + RANK_BASELINE_BYTES)
+
+
+def estimated_largest(stage: int, world: int, cap_bytes: int, template: Workload) -> Workload:
+    """The deepest GPT of ``template``'s width that ``zkit estimate`` says fits ``cap_bytes`` (all
+    ranks) at ``stage``: model states plus activations per rank, plus each rank's baseline."""
+    from zkit.estimate import estimate_memory
+
+    def fits(depth: int) -> bool:
+        w = attrs.evolve(template, n_layer=depth)
+        est = estimate_memory(gpt_config=w.gpt_config(), world_sizes=(world,), stages=(stage,), offloads=("none",),
+                              dtypes=("fp32",), batch=w.micro_batch, seq=w.seq_len, accelerator=False,
+                              reduce_bucket_size=w.bucket_numel)
+        states = est.rows[0].states
+        acts = max(a.peak for a in est.activations if not a.checkpointing)
+        return states.device_total + states.host_total + acts + RANK_BASELINE_BYTES <= cap_bytes / world
+
+    depth = 1
+    while fits(depth + 1):
+        depth += 1
+    return attrs.evolve(template, n_layer=depth)
 
 
 @attrs.define

@@ -54,11 +54,15 @@ OVERLAP_GATHER = "+gather"
 
 
 def build_zkit(w: Workload, stage: int, overlap_gather: bool = False) -> Any:
+    """zkit's engine; at stage 3 the model is built under ``zkit.zero.Init``, so no rank ever
+    holds more than its shard of the fp32 weights (as a ZeRO-3 user builds a large model)."""
     import zkit
 
     cfg = zkit_config(w, stage)
     cfg["zero_optimization"]["overlap_param_gather"] = overlap_gather
-    engine, *_ = zkit.initialize(model=build_model(w), config=cfg)
+    with zkit.zero.Init(config=cfg, enabled=stage == 3):
+        model = build_model(w)
+    engine, *_ = zkit.initialize(model=model, config=cfg)
     return engine
 
 
@@ -120,7 +124,8 @@ def _fsdp2(w: Workload) -> Built:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    model = build_model(w)
+    with torch.device("meta"):  # FSDP2's way to build a model larger than one rank: shard, then allocate
+        model = build_model(w)
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     mp = MixedPrecisionPolicy()
     if w.dtype != "fp32":
@@ -128,6 +133,9 @@ def _fsdp2(w: Workload) -> Built:
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
+    model.to_empty(device="cpu")
+    torch.manual_seed(w.seed)
+    model.reset_parameters()
     opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
 
     def step(batch: torch.Tensor) -> None:

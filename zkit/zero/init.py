@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from zkit import distributed
+from zkit import distributed, host_memory
 from zkit.zero.flat import plan_units
 from zkit.zero.param_refresh import wait_for_parameter_refresh
 from zkit.zero.sharded_params import ACTIVE, ShardedUnit, ZeroParameter
@@ -65,6 +65,7 @@ class Init:
         from zkit.builtin.comm_torch import TorchCommunicator
 
         distributed.ensure_initialized()
+        host_memory.return_freed_memory()  # construction frees each module's full tensors
         self.comm = TorchCommunicator()
         self.device = distributed.default_device()
         self.allocator = DeviceAllocator(self.device)
