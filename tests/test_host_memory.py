@@ -1,4 +1,4 @@
-"""Host memory freed during training goes back to the system (glibc's mmap threshold fixed)."""
+"""With ZKIT_HOST_MALLOC=return, host memory freed during training goes back to the system."""
 import os
 import subprocess
 import sys
@@ -30,15 +30,23 @@ print(applied, before - rss())
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux) only")
-def test_freed_tensors_return_to_the_system():
-    applied, returned = _rss_after_churn({})
+def test_freed_tensors_return_to_the_system_when_asked():
+    applied, returned = _rss_after_churn({"ZKIT_HOST_MALLOC": "return"})
     assert applied
     assert returned >= 48 * (4 << 20), f"only {returned >> 20} MiB of 256 MiB freed came back"
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc (Linux) only")
-def test_the_users_setting_wins():
-    applied, returned = _rss_after_churn({"ZKIT_HOST_MALLOC": "default"})
+def test_glibc_is_left_alone_by_default_and_when_the_user_chose():
+    applied, returned = _rss_after_churn({})
     assert not applied
     assert returned < 16 * (4 << 20), f"{returned >> 20} MiB came back although glibc was left alone"
-    assert not _rss_after_churn({"MALLOC_MMAP_THRESHOLD_": "33554432"})[0]
+    assert not _rss_after_churn({"ZKIT_HOST_MALLOC": "return", "MALLOC_MMAP_THRESHOLD_": "33554432"})[0]
+
+
+def test_a_bad_choice_is_named(monkeypatch):
+    import zkit.host_memory as hm
+
+    monkeypatch.setenv("ZKIT_HOST_MALLOC", "yes")
+    with pytest.raises(ValueError, match="ZKIT_HOST_MALLOC='yes': expected 'return'"):
+        hm._apply()

@@ -41,6 +41,7 @@ from zero_workloads import DTYPES, Workload, median_and_spread  # noqa: E402
 
 DEFAULT_DS_PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venv-peers", "bin", "python")
 STAGES = (0, 1, 2, 3)
+RETURN = "ZKIT_HOST_MALLOC=return"
 GIB = 2**30
 
 
@@ -98,6 +99,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale-world", type=positive_int, default=4, help="ranks in scale mode")
     p.add_argument("--scale-depths", type=int_list, default=None, help="GPT depths to try (width 1024)")
     p.add_argument("--scale-stages", type=int_list, default=list(STAGES), help="ZeRO stages searched in scale mode")
+    p.add_argument("--scale-host-malloc-return", action="store_true",
+                   help=f"add zkit rows run with {RETURN} (glibc's mmap threshold fixed: less memory, slower steps)")
     args = p.parse_args(argv)
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
@@ -113,11 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # -- running jobs -----------------------------------------------------------------------------------
-def run_zkit_side(fn: Any, world: int, fn_args: tuple, timeout: float) -> list[Any] | str:
+def run_zkit_side(fn: Any, world: int, fn_args: tuple, timeout: float, env: dict[str, str] | None = None) -> list[Any] | str:
     from zkit.testing import RanksFailed, RanksTimedOut, run_ranks
 
     try:
-        return run_ranks(fn, world, args=fn_args, timeout=timeout, threads_per_rank=1)
+        return run_ranks(fn, world, args=fn_args, timeout=timeout, threads_per_rank=1, env=env)
     except (RanksFailed, RanksTimedOut) as exc:
         return str(exc).splitlines()[0]
 
@@ -318,6 +321,9 @@ def scale_mode(args: argparse.Namespace, shim: str) -> str:
     for s in args.scale_stages:
         contestants.append((f"zkit ZeRO-{s}", s, lambda w, name=f"zkit ZeRO-{s}": merge_or_error(
             run_zkit_side(train_ranks, world, (w, name, cap // world), args.timeout))))
+        if args.scale_host_malloc_return:  # zkit's opt-in: freed host memory back to the system
+            contestants.append((f"zkit ZeRO-{s} {RETURN}", s, lambda w, name=f"zkit ZeRO-{s}": merge_or_error(
+                run_zkit_side(train_ranks, world, (w, name, cap // world), args.timeout, {"ZKIT_HOST_MALLOC": "return"}))))
         if args.deepspeed_python:
             contestants.append((f"DeepSpeed ZeRO-{s}", s, lambda w, s=s: zero_scale.run_deepspeed_train(
                 args.deepspeed_python, shim, w, s, world, cap, args.timeout)))
