@@ -202,3 +202,26 @@ def test_bad_gradient_and_copy_out_target_messages():
         opt.attach_copy_out(p, torch.empty(5, dtype=torch.float16))
     with pytest.raises(ValueError, match="not one this optimizer steps"):
         opt.attach_copy_out(torch.nn.Parameter(torch.ones(4)), torch.empty(4, dtype=torch.float16))
+
+
+def test_the_kernels_leave_torchs_thread_count_alone():
+    """Numba's OpenMP pool, starting, sets the process's OpenMP thread count to its own size, which
+    torch's intra-op pool shares: each of 2 ranks on 2 cores then ran torch on both cores, and the
+    whole offloaded step took about 3x as long (bench_offload_step.py)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from zkit_offload.cpu_adam import CPUAdam\n"
+        "p = torch.nn.Parameter(torch.randn(100_000)); p.grad = torch.randn(100_000)\n"
+        "CPUAdam([p]).step()\n"
+        "import numba\n"
+        "print(torch.get_num_threads(), numba.get_num_threads())\n"
+    )
+    import os
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("NUMBA_NUM_THREADS", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["1", "1"], out

@@ -47,10 +47,17 @@ def f32(x: float | torch.Tensor) -> np.float32:
 
 def launch(kernel: Callable[..., Any], *args: Any) -> Any:
     """Run a parallel kernel; serialised when Numba's threading layer is not thread-safe."""
-    if layer_is_threadsafe():
-        return kernel(*args)
-    with launch_lock:
-        return kernel(*args)
+    threads = torch.get_num_threads()
+    try:
+        if layer_is_threadsafe():
+            return kernel(*args)
+        with launch_lock:
+            return kernel(*args)
+    finally:
+        # Numba's OpenMP pool, as it starts, sets the process's OpenMP thread count to its own
+        # size, which torch's intra-op pool shares: each rank's torch would then run on every core.
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
 
 class FusedCPUOptimizer(torch.optim.Optimizer):

@@ -6,6 +6,13 @@
   directory. When neither is writable (read-only home in a container) Numba refuses to decorate a
   cached function; we then point it at a per-user directory under the system temp dir. An explicit
   ``NUMBA_CACHE_DIR`` always wins.
+* **Threads.** Numba's pool defaults to every core of the machine, while each rank's torch runs
+  on its own share (``OMP_NUM_THREADS``, which ``zkit run`` sets to cores / ranks). The pool is
+  sized as torch's intra-op pool (:func:`configure_threads`), and torch's count is put back after
+  the pool starts: starting, Numba's OpenMP pool sets the process's OpenMP thread count, which
+  torch shares, so each of 2 ranks on 2 cores ran torch on both cores and the whole offloaded step
+  took 0.86-1.14 s instead of 0.31 s (``contrib/bench/bench_offload_step.py``,
+  docs/plugins/offload.md).
 * **Threading layer.** Numba's ``workqueue`` layer aborts the whole process when two Python
   threads enter parallel code at once (a data-loader thread, an I/O pipeline callback). We ask for
   the ``threadsafe`` selection (OpenMP or TBB) unless the user chose a layer, and serialise kernel
@@ -67,6 +74,21 @@ def configure_threading() -> None:
         return
 
 
+def configure_threads() -> None:
+    """Size Numba's thread pool (started at the first parallel kernel) as torch's intra-op pool,
+    unless the user set ``NUMBA_NUM_THREADS``."""
+    import torch
+
+    if "NUMBA_NUM_THREADS" in os.environ:
+        return
+    threads = torch.get_num_threads()
+    wanted = max(1, min(threads, numba.config.NUMBA_NUM_THREADS))
+    numba.config.NUMBA_NUM_THREADS = wanted  # the size the pool starts with
+    numba.set_num_threads(wanted)  # starts it, or uses that many of its threads
+    if torch.get_num_threads() != threads:  # starting, the OpenMP pool set the process's count
+        torch.set_num_threads(threads)
+
+
 def layer_is_threadsafe() -> bool:
     """Whether kernels may be launched from several Python threads at once (valid after the first
     launch; before it we assume not)."""
@@ -78,3 +100,4 @@ def layer_is_threadsafe() -> bool:
 
 CACHE_DIR = configure_cache()
 configure_threading()
+configure_threads()
