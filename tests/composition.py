@@ -60,6 +60,8 @@ GPT_FEATURES = ("block_sparse", "tied_weights")
 #: and those with every feature of a set in FOUR_RANK_PAIRS (2 stages x 2 tensor ranks)
 FOUR_RANKS = ("pipeline_dp",)
 FOUR_RANK_PAIRS = ({"pipeline", "tensor_parallel"},)
+#: cells with every feature of a set here run on 8 ranks (2 stages x 2 tensor ranks x 2 replicas)
+EIGHT_RANK_PAIRS = ({"pipeline_dp", "tensor_parallel"},)
 STAGES = ("zero1", "zero2", "zero3")
 
 #: pairs refused at initialize: why, and words the error must contain (it names both features)
@@ -102,7 +104,6 @@ ELSEWHERE: dict[tuple[str, str], str] = {
     ("pipeline", "tied_weights"): "an embedding tied to the head across the 2 stages (TiedLayerSpec): "
                                   "plugins/zkit-pipeline/tests/test_pipeline_engine.py (the tied cases against "
                                   "single-process training; ZeRO 2 with weights tied across stages refused)",
-    ("tensor_parallel", "pipeline_dp"): "not run: 2 stages x 2 tensor ranks x 2 replicas need 8 ranks",
     ("tied_weights", "pipeline_dp"): "as pipeline x tied_weights: test_pipeline_engine.py runs its tied cases on "
                                      "2 x 2 ranks",
 }
@@ -114,6 +115,8 @@ def pairs() -> list[tuple[str, str]]:
 
 def ranks(cell: tuple[str, ...]) -> int:
     """How many ranks a cell runs on."""
+    if any(pair <= set(cell) for pair in EIGHT_RANK_PAIRS):
+        return 8
     four = any(f in FOUR_RANKS for f in cell) or any(pair <= set(cell) for pair in FOUR_RANK_PAIRS)
     return 4 if four else 2
 
@@ -143,7 +146,10 @@ def tolerance(features: tuple[str, ...]) -> float:
 
 
 def replicas(features: tuple[str, ...]) -> int:
-    """Data-parallel replicas of a run: a 2-stage pipeline or 2 tensor ranks on 2 ranks make one."""
+    """Data-parallel replicas of a run: a 2-stage pipeline or 2 tensor ranks on 2 ranks make one;
+    the 2 x 2 pipeline has 2 (with tensor parallelism too, on 8 ranks)."""
+    if "pipeline_dp" in features:
+        return 2
     return 1 if {"pipeline", "tensor_parallel"} & set(features) else 2
 
 
@@ -199,7 +205,8 @@ def markdown() -> str:
         "`tests/test_composition.py` runs (2 ranks, gloo; pairs with "
         + ", ".join(f"`{f}`" for f in FOUR_RANKS) + " and "
         + ", ".join(" × ".join(f"`{f}`" for f in sorted(pair)) for pair in FOUR_RANK_PAIRS) + " on 4",
-        "ranks, in a process group of their own); a test fails when this page and the matrix differ.",
+        "ranks and " + ", ".join(" × ".join(f"`{f}`" for f in sorted(pair)) for pair in EIGHT_RANK_PAIRS)
+        + " on 8, each size in a process group of its own); a test fails when this page and the matrix differ.",
         "A cell is one of:",
         "",
         "- **=**: the pair trains and its parameters equal its reference, the same run with only the",

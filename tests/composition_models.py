@@ -134,10 +134,11 @@ def build(features: tuple[str, ...]) -> torch.nn.Module:
     from zkit_pipeline import PipelineModule, ProcessGrid
 
     grid, stage_layers = None, layers(features)
-    if tensor_parallel:  # 2 stages x 2 tensor ranks: the layers are split before the stages are cut
+    if tensor_parallel:  # 2 stages x 2 tensor ranks (x 2 replicas for pipeline_dp): the layers are
+        # split before the stages are cut
         from zkit.builtin.comm_torch import TorchCommunicator
 
-        grid = ProcessGrid(pipe=2, tensor=2)
+        grid = ProcessGrid(pipe=2, tensor=2, data=2 if "pipeline_dp" in features else 1)
         tp = TorchCommunicator(grid.build_groups(torch.distributed.get_rank())["tensor"], None)
         stage_layers = [split_mlps(layer, tp) for layer in stage_layers]
     return PipelineModule(stage_layers, num_stages=2, loss_fn=loss, partition_method="uniform", topology=grid,

@@ -20,13 +20,13 @@ CELLS = [p for p in matrix.pairs() if p not in matrix.NOT_A_COMBINATION and p no
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
     """Every cell's result: the 2-rank cells and the references in one process group, the
-    4-rank cells in another."""
+    4-rank cells in another, the 8-rank cell in a third."""
     references = sorted({matrix.reference_of(p) for p in CELLS if matrix.expected(p) == "matches"})
     one_setting = [p for p in matrix.NOT_A_COMBINATION if p in matrix.REFUSED]
     cells = [*references, *CELLS, *one_setting]
     nvme, ckpt = tmp_path_factory.mktemp("nvme"), tmp_path_factory.mktemp("ckpt")
     out = {}
-    for world in (2, 4):
+    for world in (2, 4, 8):
         group = [c for c in cells if matrix.ranks(c) == world]
         out.update(run_ranks(composition_ranks.run_cells, world, args=(group, str(nvme), str(ckpt)), timeout=900)[0])
     return out
