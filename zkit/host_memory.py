@@ -11,7 +11,7 @@ Fixing the threshold at 1 MiB returns that memory, at a price: every large tenso
 afresh and its pages faulted in when first written. Measured (docs/memory.md): at 4 ranks under
 2 GiB each, ZeRO-3 trained 286M parameters with the threshold fixed against 210M with glibc's
 moving threshold (``zkit estimate`` predicts 311M), and a 2-rank stage-3 step took 19% longer
-(3.30 against 2.77 s). So it is a choice, not a default: ``ZKIT_HOST_MALLOC=return`` makes
+(3.16 against 2.66 s, ``contrib/bench/bench_host_malloc.py``). So it is a choice, not a default: ``ZKIT_HOST_MALLOC=return`` makes
 :func:`return_freed_memory` (called by ``zkit.initialize`` and ``zkit.zero.Init``) fix the
 threshold once per process. A ``MALLOC_MMAP_THRESHOLD_`` of the user's own is left as it is, and
 so is a C library other than glibc.
