@@ -28,7 +28,9 @@ def memory_rank(cases):
     out = {}
     for stage, dtype, persistence in cases:
         cfg = er.config(stage, dtype, 1, world)
-        cfg["zero_optimization"].update(stage3_param_persistence_threshold=persistence, stage3_prefetch_bucket_size=40)
+        # reuse distance 0: each unit released after its use, the tightest working set to check
+        cfg["zero_optimization"].update(stage3_param_persistence_threshold=persistence, stage3_prefetch_bucket_size=40,
+                                        stage3_max_reuse_distance=0)
         engine, *_ = zkit.initialize(model=er.make_model(), config=cfg)
         er.train_engine(engine, 2, 1, world)
         out[(stage, dtype, persistence)] = {k[: -len("_bytes")]: v for k, v in engine.memory().items()
@@ -46,7 +48,7 @@ def test_estimate_equals_engine_memory(world):
             est = model_state_bytes(
                 shapes, stage=stage, world_size=world, dtype=dtype, rank=rank, reduce_bucket_size=40,
                 overlap_comm=True, accelerator=False, stage3_param_persistence_threshold=persistence,
-                stage3_prefetch_bucket_size=40,
+                stage3_prefetch_bucket_size=40, stage3_max_reuse_distance=0,
             )
             got = {k: v for k, v in measured[(stage, dtype, persistence)].items() if not k.endswith("_peak")}
             assert est.host == {} and est.nvme == {}

@@ -65,9 +65,10 @@ def test_ranks_running_different_modules_are_named():
         ), message
 
 
-def _gathered_window(prefetch: int) -> dict:
+def _gathered_window(prefetch: int, reuse: int = 0) -> dict:
     """Rank function: a chain of 8 equal layers at stage 3 with nothing persistent; the most
-    parameter elements gathered at once during forward and backward, and one unit's size."""
+    parameter elements gathered at once during forward and backward, one unit's size, the
+    all-gathers each backward issued and the losses."""
     import torch
 
     import zkit
@@ -76,10 +77,11 @@ def _gathered_window(prefetch: int) -> dict:
     model = torch.nn.Sequential(*[torch.nn.Linear(10, 10) for _ in range(8)])
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                 "stage3_prefetch_bucket_size": prefetch}}
+                                 "stage3_prefetch_bucket_size": prefetch, "stage3_max_reuse_distance": reuse}}
     engine, *_ = zkit.initialize(model=model, config=cfg)
     sharded = engine.partitioner.sharded
     most = [0]
+    gathers, losses = [], []
 
     def record(*_):
         most[0] = max(most[0], sum(su.unit.padded for su in sharded if su.full is not None))
@@ -87,11 +89,14 @@ def _gathered_window(prefetch: int) -> dict:
     for layer in model:
         layer.register_forward_hook(record)
         layer.register_full_backward_hook(record)
-    for _ in range(2):
-        loss = engine(torch.ones(2, 10)).square().mean()
+    for step in range(3):
+        loss = engine(torch.ones(2, 10) * (step + 1)).square().mean()
+        before = engine.comm_stats()["all_gather"]["calls"]
         engine.backward(loss)
+        gathers.append(engine.comm_stats()["all_gather"]["calls"] - before)
         engine.step()
-    return {"most": most[0], "unit": max(su.unit.padded for su in sharded)}
+        losses.append(loss.item())
+    return {"most": most[0], "unit": max(su.unit.padded for su in sharded), "gathers": gathers, "losses": losses}
 
 
 def test_stage3_gathers_at_most_the_prefetch_window_ahead():
@@ -100,3 +105,18 @@ def test_stage3_gathers_at_most_the_prefetch_window_ahead():
     (r, _) = run_ranks(_gathered_window, 2, args=(250,), timeout=300)
     # the unit in use, the one finishing, and the window ahead (250 elements: two 110-element units)
     assert r["most"] <= 250 + 2 * r["unit"], r
+
+
+def test_stage3_keeps_units_gathered_for_a_reuse_within_the_distance():
+    """``stage3_max_reuse_distance``: at the default (1e9 elements) nothing forward gathered is
+    gathered again in backward; at 0 backward gathers all 8 layers but the last (used next); in
+    between, the units whose backward use comes within the distance. The losses are the same."""
+    runs = {reuse: run_ranks(_gathered_window, 2, args=(0, reuse), timeout=300)[0] for reuse in (0, 330, 10**9)}
+    unit = runs[0]["unit"]
+    assert runs[10**9]["gathers"][1:] == [0, 0], runs[10**9]
+    assert runs[10**9]["most"] == 8 * unit
+    assert runs[0]["gathers"][1:] == [7, 7], runs[0]  # the first step records the order: all 8
+    # layer k (of 0-7) is used again after the 14 - 2k layers between its forward and its backward:
+    # 330 elements (three 110-element units) keep layers 6 and 7
+    assert runs[330]["gathers"][1:] == [6, 6], runs[330]
+    assert runs[0]["losses"] == runs[330]["losses"] == runs[10**9]["losses"]

@@ -82,6 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--seq", type=int, default=None, help="sequence length (default: the model's)")
     est.add_argument("--optimizer", default="adam", help="adam, adamw, lamb, lion, adagrad, sgd-momentum, sgd")
     est.add_argument("--reduce-bucket-size", type=float, default=5e8)
+    est.add_argument("--stage3-max-reuse-distance", type=float, default=1e9,
+                     help="stage 3: elements within which a gathered parameter is kept for its reuse")
     est.add_argument("--cpu", action="store_true", help="training on the CPU (host and device are one memory)")
     return p
 
@@ -226,6 +228,7 @@ def estimate_text(args: argparse.Namespace) -> str:
         seq=args.seq,
         optimizer=args.optimizer,
         reduce_bucket_size=int(args.reduce_bucket_size),
+        stage3_max_reuse_distance=int(args.stage3_max_reuse_distance),
         accelerator=not args.cpu,
     )
     try:

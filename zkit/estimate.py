@@ -119,6 +119,7 @@ def estimate_memory(
     accelerator: bool = True,
     attention: str = "flash",
     largest_layer: int | None = None,
+    stage3_max_reuse_distance: int = 1_000_000_000,
 ) -> Estimate:
     """Estimate per-rank memory for a model (built on the meta device is enough), a
     :class:`~zkit.models.gpt.GPTConfig`, or a bare parameter count (packed as if into full units).
@@ -126,7 +127,8 @@ def estimate_memory(
     Activations are added when the shape is a GPT (``gpt_config``, or a model with a ``config``
     that is one) and ``batch`` is given; ``seq`` defaults to the model's ``seq_len``.
     ``largest_layer`` overrides the largest unit stage 3 gathers at once (default: from the
-    model's modules)."""
+    model's modules). ``stage3_max_reuse_distance``: the config key of that name (at the default,
+    stage 3 keeps a model of fewer elements gathered from forward into backward)."""
     from zkit.models.gpt import GPT, GPTConfig
 
     given = [x is not None for x in (model, num_params, gpt_config)]
@@ -168,7 +170,7 @@ def estimate_memory(
                         shapes, stage=stage, world_size=world, dtype=dtype, offload=offload,
                         reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
                         optimizer_state_bytes=OPTIMIZER_STATE_BYTES[optimizer], accelerator=accelerator,
-                        largest_layer=largest_layer,
+                        largest_layer=largest_layer, stage3_max_reuse_distance=stage3_max_reuse_distance,
                     )
                     rows.append(Row(world, stage, offload, dtype, states))
     acts: list[ActivationRow] = []

@@ -30,8 +30,8 @@ def ranks(stage: int, steps: int) -> tuple[list[float], int]:
     from zero_workloads import batches
 
     torch.set_num_threads(1)
-    w = attrs.evolve(zero_scale.ladder()[0], n_layer=4, seq_len=128, micro_batch=4)
-    engine = zero_torch_side.build_zkit(w, stage)
+    w = attrs.evolve(zero_scale.ladder()[0], n_layer=4, seq_len=128, micro_batch=4, stage3_max_reuse_distance=0)
+    engine = zero_torch_side.build_zkit(w, f"zkit ZeRO-{stage}")
     times = []
     for b in batches(w, torch.distributed.get_rank(), steps + 2):
         t = time.perf_counter()

@@ -8,7 +8,14 @@ Default mode (a few minutes on 2 CPU cores) measures, on the same GPT, seed and 
 2. communication: bytes each rank sends in one step (``engine.comm_stats()``) against 2Ψ / 3Ψ;
 3. speed: step time at 2 gloo ranks, one thread each, every contestant built, warmed up, timed and
    torn down in turn, in rounds, so that the machine's noise spreads over all of them; the table
-   shows the median over rounds and steps of the slowest rank's step time and the half-range.
+   shows the median over rounds and steps of the slowest rank's step time and the half-range;
+4. with ``--phases``, where each rank's step time goes (forward, backward, step, and the time
+   zkit's collectives take to issue and to wait for; ``zero_phases.py``).
+
+zkit's stage 3 runs with the config's defaults (``stage3_max_reuse_distance`` 1e9 elements: a model
+this size stays gathered from forward into backward, as with DeepSpeed) and, as
+``zkit ZeRO-3 reuse=0``, releasing every module after use (the paper's 3Ψ; what the memory and
+traffic columns measure).
 
 ``--scale`` instead searches the largest GPT each stage trains for 3 steps at 4 ranks under a
 memory cap (zkit vs DeepSpeed vs FSDP2); it takes long and uses up to ``--scale-cap-gib`` of RAM.
@@ -19,6 +26,7 @@ stage 3 row appears when ``zero_optimization.stage = 3`` builds, and says why wh
 
     OMP_NUM_THREADS=1 python contrib/bench/bench_zero.py                 # memory, traffic, speed
     OMP_NUM_THREADS=1 python contrib/bench/bench_zero.py --rounds 4 --dtypes fp32,bf16
+    OMP_NUM_THREADS=1 python contrib/bench/bench_zero.py --micro-batch 4 --phases --skip memory
     OMP_NUM_THREADS=1 python contrib/bench/bench_zero.py --scale --scale-cap-gib 12
 """
 from __future__ import annotations
@@ -36,7 +44,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from zero_formulas import model_state_bytes, ring_traffic_bytes, traffic_elements  # noqa: E402
-from zero_torch_side import OVERLAP_GATHER, zkit_stage  # noqa: E402
+from zero_torch_side import OVERLAP_GATHER, RELEASE, zkit_stage  # noqa: E402
 from zero_workloads import DTYPES, Workload, median_and_spread  # noqa: E402
 
 DEFAULT_DS_PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venv-peers", "bin", "python")
@@ -93,6 +101,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="interpreter with DeepSpeed installed (default: %(default)s)")
     p.add_argument("--no-deepspeed", action="store_true", help="leave the DeepSpeed rows out")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: memory, speed")
+    p.add_argument("--phases", action="store_true",
+                   help="also print where each rank's step time goes (zkit, DDP, ZeroRedundancyOptimizer, FSDP2)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds for one multi-rank job")
     p.add_argument("--scale", action="store_true", help="run the scale search instead (slow; see above)")
     p.add_argument("--scale-cap-gib", type=float, default=12.0, help="RAM cap for the whole scale job (all ranks)")
@@ -176,8 +186,34 @@ def measure_state(args: argparse.Namespace) -> tuple[Workload, dict[int, dict[in
 
 
 def zkit_contestants() -> list[str]:
-    """zkit's stages, then stages 1-2 with the parameter all-gather overlapped with the forward."""
-    return [f"zkit ZeRO-{s}" for s in STAGES] + [f"zkit ZeRO-{s}{OVERLAP_GATHER}" for s in (1, 2)]
+    """zkit's stages, then stages 1-2 with the parameter all-gather overlapped with the forward
+    and stage 3 releasing every module after use."""
+    return ([f"zkit ZeRO-{s}" for s in STAGES] + [f"zkit ZeRO-{s}{OVERLAP_GATHER}" for s in (1, 2)]
+            + [f"zkit ZeRO-3{RELEASE}"])
+
+
+def speed_workload(args: argparse.Namespace, dtype: str) -> Workload:
+    return Workload(
+        preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype,
+        bucket_numel=args.bucket, warmup_steps=args.warmup, timed_steps=args.steps,
+    )
+
+
+def measure_phases(args: argparse.Namespace) -> str:
+    """The phase breakdown of every zkit contestant and the torch ones, one job per dtype."""
+    from zero_phases import phase_ranks, phase_table
+    from zero_torch_side import TORCH_CONTESTANTS
+
+    names = zkit_contestants() + list(TORCH_CONTESTANTS)
+    tables = []
+    for dtype in args.dtypes:
+        log(f"phases {dtype} ...")
+        result = run_zkit_side(phase_ranks, args.world, (speed_workload(args, dtype), names), args.timeout)
+        tables.append(f"{dtype}: {result}" if isinstance(result, str) else f"{dtype}:\n" + phase_table(result, names))
+    return "\n\n".join(tables) + (
+        f"\nphases: median over {args.steps} steps per rank, ms; 'issue' = starting zkit's collectives, 'wait' = "
+        "blocked until they finished (gather: parameter all-gathers; reduce: gradient reduce-scatters and all-reduces)"
+    )
 
 
 def measure_speed(args: argparse.Namespace, shim: str) -> dict[str, dict[str, Any]]:
@@ -187,10 +223,7 @@ def measure_speed(args: argparse.Namespace, shim: str) -> dict[str, dict[str, An
     zkit_names = zkit_contestants()
     out: dict[str, dict[str, Any]] = {}
     for dtype in args.dtypes:
-        w = Workload(
-            preset=args.preset, seq_len=args.seq_len, micro_batch=args.micro_batch, dtype=dtype,
-            bucket_numel=args.bucket, warmup_steps=args.warmup, timed_steps=args.steps,
-        )
+        w = speed_workload(args, dtype)
         samples: dict[str, Any] = {}
         for r in range(args.rounds):
             names = zkit_names + list(TORCH_CONTESTANTS)
@@ -279,7 +312,7 @@ def build_table(args: argparse.Namespace, state: tuple[Workload, dict] | None, s
             w, by_world = state
             psi = w.num_parameters()
             for n, per_stage in by_world.items():
-                if name.startswith("zkit ZeRO-") and not name.endswith(OVERLAP_GATHER):
+                if name.startswith("zkit ZeRO-") and not name.endswith((OVERLAP_GATHER, RELEASE)):
                     stage = zkit_stage(name)
                     info = per_stage.get(stage, "not run")
                     text, ok = state_cells(stage, psi, n, info, w.bucket_numel * 2)
@@ -296,7 +329,7 @@ def build_table(args: argparse.Namespace, state: tuple[Workload, dict] | None, s
         w = state[0]
         lines.append(
             f"\nmemory/traffic: bf16, Ψ = {w.num_parameters():,} parameters, bucket {w.bucket_numel:,} elements "
-            f"({fmt_bytes(w.bucket_numel * 2)}); 'ok' = within 5% of the formula plus one bucket, "
+            f"({fmt_bytes(w.bucket_numel * 2)}), stage 3 with stage3_max_reuse_distance 0; 'ok' = within 5% of the formula plus one bucket, "
             "'+Xb' = bucket scratch held"
         )
     if speed:
@@ -374,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
             state = None if "memory" in args.skip else measure_state(args)
             speed = None if "speed" in args.skip else measure_speed(args, shim)
             print(build_table(args, state, speed))
+            if args.phases:
+                print("\n" + measure_phases(args))
         log(f"total {time.perf_counter() - t0:.0f} s")
     return 0
 

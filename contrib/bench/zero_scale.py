@@ -45,6 +45,8 @@ def ladder(depths: tuple[int, ...] = DEPTHS) -> list[Workload]:
             dtype="fp32",
             warmup_steps=0,
             timed_steps=3,
+            # near the memory limit every module is released after use (zkit and DeepSpeed alike)
+            stage3_max_reuse_distance=0,
         )
         for d in depths
     ]
@@ -69,7 +71,9 @@ def estimated_largest(stage: int, world: int, cap_bytes: int, template: Workload
         w = attrs.evolve(template, n_layer=depth)
         est = estimate_memory(gpt_config=w.gpt_config(), world_sizes=(world,), stages=(stage,), offloads=("none",),
                               dtypes=("fp32",), batch=w.micro_batch, seq=w.seq_len, accelerator=False,
-                              reduce_bucket_size=w.bucket_numel)
+                              reduce_bucket_size=w.bucket_numel,
+                              stage3_max_reuse_distance=(10**9 if w.stage3_max_reuse_distance is None
+                                                         else w.stage3_max_reuse_distance))
         states = est.rows[0].states
         acts = max(a.peak for a in est.activations if not a.checkpointing)
         return states.device_total + states.host_total + acts + RANK_BASELINE_BYTES <= cap_bytes / world

@@ -42,6 +42,8 @@ def zkit_config(w: Workload, stage: int) -> dict[str, Any]:
         "steps_per_print": 1_000_000,
         "seed": w.seed,
     }
+    if w.stage3_max_reuse_distance is not None:
+        cfg["zero_optimization"]["stage3_max_reuse_distance"] = w.stage3_max_reuse_distance
     if w.dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     elif w.dtype == "fp16":
@@ -51,16 +53,27 @@ def zkit_config(w: Workload, stage: int) -> dict[str, Any]:
 
 #: suffix of the zkit contestants that run with ``overlap_param_gather`` (a zkit-only key)
 OVERLAP_GATHER = "+gather"
+#: suffix of the stage-3 contestant that releases every module after use
+#: (``stage3_max_reuse_distance: 0``: the paper's 3Ψ traffic, the least memory)
+RELEASE = " reuse=0"
 
 
-def build_zkit(w: Workload, stage: int, overlap_gather: bool = False) -> Any:
+def zkit_engine_config(w: Workload, name: str) -> dict[str, Any]:
+    """The config of zkit contestant ``name``: :func:`zkit_config` plus its variant's keys."""
+    cfg = zkit_config(w, zkit_stage(name))
+    cfg["zero_optimization"]["overlap_param_gather"] = name.endswith(OVERLAP_GATHER)
+    if name.endswith(RELEASE):
+        cfg["zero_optimization"]["stage3_max_reuse_distance"] = 0
+    return cfg
+
+
+def build_zkit(w: Workload, name: str) -> Any:
     """zkit's engine; at stage 3 the model is built under ``zkit.zero.Init``, so no rank ever
     holds more than its shard of the fp32 weights (as a ZeRO-3 user builds a large model)."""
     import zkit
 
-    cfg = zkit_config(w, stage)
-    cfg["zero_optimization"]["overlap_param_gather"] = overlap_gather
-    with zkit.zero.Init(config=cfg, enabled=stage == 3):
+    cfg = zkit_engine_config(w, name)
+    with zkit.zero.Init(config=cfg, enabled=zkit_stage(name) == 3):
         model = build_model(w)
     engine, *_ = zkit.initialize(model=model, config=cfg)
     return engine
@@ -72,7 +85,7 @@ def zkit_stage(name: str) -> int:
 
 
 def _zkit(w: Workload, name: str) -> Built:
-    engine = build_zkit(w, zkit_stage(name), name.endswith(OVERLAP_GATHER))
+    engine = build_zkit(w, name)
 
     def step(batch: torch.Tensor) -> None:
         loss = engine(batch, batch)
@@ -95,32 +108,19 @@ def _ddp_model(w: Workload) -> torch.nn.Module:
     return DistributedDataParallel(build_model(w), bucket_cap_mb=bucket_mb)
 
 
-def _plain_step(w: Workload, model: torch.nn.Module, opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
-    def step(batch: torch.Tensor) -> None:
-        with _autocast(w):
-            loss = model(batch, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return step
-
-
-def _ddp(w: Workload) -> Built:
+def _ddp(w: Workload) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     model = _ddp_model(w)
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
-    return _plain_step(w, model, opt), lambda: None
+    return model, torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
 
 
-def _zero_redundancy(w: Workload) -> Built:
+def _zero_redundancy(w: Workload) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     model = _ddp_model(w)
-    opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW, fused=True)
-    return _plain_step(w, model, opt), lambda: None
+    return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **ADAMW, fused=True)
 
 
-def _fsdp2(w: Workload) -> Built:
+def _fsdp2(w: Workload) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -136,21 +136,34 @@ def _fsdp2(w: Workload) -> Built:
     model.to_empty(device="cpu")
     torch.manual_seed(w.seed)
     model.reset_parameters()
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
+    return model, torch.optim.AdamW(model.parameters(), **ADAMW, fused=True)
 
-    def step(batch: torch.Tensor) -> None:
-        loss = model(batch, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
 
-    return step, lambda: None
+def build_torch_parts(w: Workload, name: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Model and optimizer of torch contestant ``name``."""
+    return {"torch DDP": _ddp, "torch ZeRO-opt": _zero_redundancy, "torch FSDP2": _fsdp2}[name](w)
+
+
+def torch_forward(w: Workload, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The loss; DDP and ZeroRedundancyOptimizer keep fp32 parameters and compute under autocast,
+    FSDP2 casts the parameters itself."""
+    from torch.distributed.fsdp import FSDPModule
+
+    with contextlib.nullcontext() if isinstance(model, FSDPModule) else _autocast(w):
+        return model(batch, batch)
 
 
 def build_contestant(w: Workload, name: str) -> Built:
     if name.startswith("zkit ZeRO-"):
         return _zkit(w, name)
-    return {"torch DDP": _ddp, "torch ZeRO-opt": _zero_redundancy, "torch FSDP2": _fsdp2}[name](w)
+    model, opt = build_torch_parts(w, name)
+
+    def step(batch: torch.Tensor) -> None:
+        torch_forward(w, model, batch).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step, lambda: None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -192,7 +205,8 @@ def state_ranks(w: Workload, stages: list[int]) -> dict[int, Any]:
     for stage in stages:
         engine = None
         try:
-            engine = build_zkit(w, stage)
+            # stage 3 as the paper counts it: every module released after use (3Ψ of traffic)
+            engine = build_zkit(w, f"zkit ZeRO-{stage}" + (RELEASE if stage == 3 else ""))
             data = [torch.randint(0, w.gpt_config().vocab_size, (w.micro_batch, w.seq_len)) for _ in range(2)]
             for i, batch in enumerate(data):
                 if i == 1:

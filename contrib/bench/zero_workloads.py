@@ -43,6 +43,9 @@ class Workload:
     warmup_steps: int = 1
     timed_steps: int = 3
     seed: int = 1234
+    #: ``zero_optimization.stage3_max_reuse_distance`` for zkit and DeepSpeed alike (None: the
+    #: default, 1e9 elements; the scale search releases every module after use: 0)
+    stage3_max_reuse_distance: int | None = None
 
     def gpt_config(self) -> GPTConfig:
         overrides = {

@@ -119,9 +119,7 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = setting(
         1_000_000_000,
         check=at_least(0),
-        doc="Do not release a parameter reused within this many elements.",
-        hint="zkit keeps a unit gathered until its module's forward (or backward) ends and prefetches by "
-        "the recorded module order; stage3_max_live_parameters and stage3_prefetch_bucket_size bound it",
+        doc="Do not release a parameter reused within this many elements (stage 3).",
     )
     stage3_gather_16bit_weights_on_model_save: bool = setting(
         False,

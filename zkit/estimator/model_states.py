@@ -30,8 +30,9 @@ size; ``param`` is every unit's shard in the training dtype plus the full buffer
 within ``stage3_model_persistence_threshold``: gathered once, kept);
 ``grad`` the gradient shards; ``bucket``, ``master`` and ``optim_state`` as at stage 2, over
 those units. ``gathered_param`` is the working set of forward and backward: the largest released
-unit plus a prefetch bucket of released units (``stage3_prefetch_bucket_size``), capped at all
-released units.
+unit plus a prefetch bucket of released units (``stage3_prefetch_bucket_size``), plus the units kept
+gathered for a reuse within ``stage3_max_reuse_distance`` elements (one more largest unit and the
+distance), capped at all released units.
 
 Purposes in :data:`TRANSIENT` exist only while a batch runs: gradients and buckets are made by the
 batch's first backward and handed back after the step (no stage holds gradient memory between
@@ -132,6 +133,7 @@ def model_state_bytes(
     stage3_prefetch_bucket_size: int = 50_000_000,
     stage3_param_persistence_threshold: int = 100_000,
     stage3_model_persistence_threshold: int = sys.maxsize,
+    stage3_max_reuse_distance: int = 1_000_000_000,
     sub_group_size: int = 1_000_000_000,
     buffer_count: int = 4,
 ) -> StateBytes:
@@ -184,7 +186,8 @@ def model_state_bytes(
         device["grad"] = shard * c
         if released:
             largest = max(released) if largest_layer is None else int(largest_layer)
-            gathered = min(sum(released), largest + int(stage3_prefetch_bucket_size))
+            kept = largest + int(stage3_max_reuse_distance)  # zkit.zero.reuse
+            gathered = min(sum(released), largest + int(stage3_prefetch_bucket_size) + kept)
             device["gathered_param"] = gathered * p
     if stage >= 2:
         # reduce-scatter buckets, each the largest unit

@@ -20,7 +20,9 @@ class GradientBucketer:
 
     ``launch(unit) -> Handle | None`` starts the unit's collective; ``finish(unit)`` runs after it
     completed (copy out, accumulate, release scratch). ``max_in_flight`` bounds the number of
-    unfinished collectives (each may hold a scratch bucket); ``0`` means unbounded.
+    unfinished collectives (each may hold a scratch bucket); ``0`` means unbounded. ``fits(unit)``,
+    when given, says whether the unit's scratch fits beside the collectives in flight; the oldest
+    ones are finished until it does.
     """
 
     def __init__(
@@ -30,11 +32,13 @@ class GradientBucketer:
         finish: Callable[[int], None],
         max_in_flight: int = 0,
         names: Sequence[str] | None = None,
+        fits: Callable[[int], bool] | None = None,
     ) -> None:
         self.sizes = list(params_per_unit)
         self.launch = launch
         self.finish = finish
         self.max_in_flight = max_in_flight
+        self.fits = fits
         self.names = list(names) if names is not None else [f"unit {i}" for i in range(len(self.sizes))]
         self.pending: list[int] = []
         self.next = 0
@@ -55,6 +59,8 @@ class GradientBucketer:
         while self.next < len(self.sizes) and (force or self.pending[self.next] <= 0):
             if self.max_in_flight and len(self.in_flight) >= self.max_in_flight:
                 self._complete_oldest()
+            while self.fits is not None and self.in_flight and not self.fits(self.next):
+                self._complete_oldest()
             with diagnostics.phase(f"reduce {self.names[self.next]}"):
                 self.in_flight.append((self.next, self.launch(self.next)))
             self.next += 1
@@ -72,3 +78,46 @@ class GradientBucketer:
         while self.in_flight:
             self._complete_oldest()
         self.reset()
+
+
+class ScratchRing:
+    """Scratch for reductions in flight, carved in launch order from one arena of ``size``
+    elements and handed back oldest first (the order :class:`GradientBucketer` finishes them).
+
+    Units of different sizes share the arena, so as many small units are in flight as fit where
+    two buckets of the largest unit would: stage 3's per-module units (a few hundred thousand
+    elements beside an embedding of millions) keep the link busy without more memory.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.regions: deque[tuple[int, int]] = deque()  # (start, numel), oldest first
+
+    def _place(self, numel: int) -> int | None:
+        if numel > self.size:
+            raise ValueError(f"a unit of {numel} elements does not fit a scratch arena of {self.size}")
+        if not self.regions:
+            return 0
+        tail = self.regions[0][0]
+        head = self.regions[-1][0] + self.regions[-1][1]
+        if self.regions[-1][0] >= tail:  # not wrapped: free space after head, then before tail
+            if head + numel <= self.size:
+                return head
+            return 0 if numel <= tail else None
+        return head if head + numel <= tail else None  # wrapped: free space between head and tail
+
+    def fits(self, numel: int) -> bool:
+        return self._place(numel) is not None
+
+    def take(self, numel: int) -> tuple[int, int]:
+        """Reserve ``numel`` elements; the ``(start, end)`` of the region (the caller checked
+        :meth:`fits`)."""
+        start = self._place(numel)
+        if start is None:
+            raise RuntimeError(f"no room for {numel} elements in the scratch arena: finish the oldest first")
+        self.regions.append((start, numel))
+        return start, start + numel
+
+    def give_back(self) -> None:
+        """The oldest region is free again."""
+        self.regions.popleft()

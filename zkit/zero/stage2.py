@@ -4,7 +4,8 @@ No full-size gradient buffer exists. Autograd produces each parameter's gradient
 gradients of a unit are final, they are packed into a bucket (scratch of one unit), the bucket is
 reduce-scattered into this rank's gradient shard, and the parameters' ``.grad`` are freed. This
 happens at every micro-step (accumulation happens in the shard), overlapped with the rest of
-backward when ``overlap_comm`` is on (two buckets in flight). Between steps neither the shards nor
+backward when ``overlap_comm`` is on (scratch for two of the largest unit, shared by as many units as
+fit: :class:`~zkit.zero.buckets.ScratchRing`). Between steps neither the shards nor
 the buckets exist: :meth:`zero_grad` hands them back. Per-rank model states: 2Ψ + 14Ψ/N;
 communication: the same 2Ψ as data parallelism (reduce-scatter + all-gather).
 """
@@ -14,7 +15,7 @@ import contextlib
 
 import torch
 
-from zkit.zero.buckets import GradientBucketer
+from zkit.zero.buckets import GradientBucketer, ScratchRing
 from zkit.zero.partitioner import ZeroPartitioner
 
 
@@ -26,16 +27,17 @@ class Stage2(ZeroPartitioner):
         #: of a batch), and always empty with a master store (NVMe), which takes the shards itself.
         self.grad_shards: list[torch.Tensor] = []
         self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
-        in_flight = 2 if self.ctx.config.zero_optimization.overlap_comm else 1
-        self._bucket_numel = max(u.padded for u in self.units)
-        self._free: list[torch.Tensor] = []
-        self._launched: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        buckets = 2 if self.ctx.config.zero_optimization.overlap_comm and len(self.units) > 1 else 1
+        self._ring = ScratchRing(buckets * max(u.padded for u in self.units))
+        #: the ring's memory, made by a batch's first reduction and handed back after the step
+        self._arena: torch.Tensor | None = None
+        self._launched: dict[int, torch.Tensor] = {}
         self.bucketer = GradientBucketer(
             [len(ps) for ps in self.unit_params],
             self._launch,
             self._finish,
-            max_in_flight=in_flight,
             names=self.unit_names(),
+            fits=lambda unit: self._ring.fits(self.units[unit].padded),
         )
 
     def no_sync_allowed(self) -> bool:
@@ -55,10 +57,11 @@ class Stage2(ZeroPartitioner):
         self.bucketer.flush()
         self.accumulated = True
 
-    def _take_bucket(self) -> torch.Tensor:
-        if self._free:
-            return self._free.pop()
-        return self.allocator.empty(self._bucket_numel, self.comm_dtype, "bucket")
+    def _take_bucket(self, numel: int) -> torch.Tensor:
+        if self._arena is None:
+            self._arena = self.allocator.empty(self._ring.size, self.comm_dtype, "bucket")
+        start, end = self._ring.take(numel)
+        return self._arena[start:end]
 
     def _ensure_grad_shards(self) -> list[torch.Tensor]:
         if not self.grad_shards and self.master_store is None:
@@ -68,8 +71,7 @@ class Stage2(ZeroPartitioner):
     def _launch(self, unit: int):
         u = self.units[unit]
         self._ensure_grad_shards()
-        bucket = self._take_bucket()
-        flat = bucket[: u.padded]
+        flat = self._take_bucket(u.padded)
         for slot, p in zip(u.slots, self.unit_params[unit]):
             view = flat[slot.offset : slot.offset + slot.numel]
             if p.grad is None:
@@ -89,7 +91,7 @@ class Stage2(ZeroPartitioner):
             target = flat[lo:hi]
         else:
             target = self.grad_shards[unit]
-        self._launched[unit] = (bucket, target)
+        self._launched[unit] = target
         if self.comm.world_size == 1:
             if target.data_ptr() != flat.data_ptr():  # else the chunk is the whole bucket already
                 target.copy_(flat)
@@ -97,14 +99,14 @@ class Stage2(ZeroPartitioner):
         return self.comm.reduce_scatter(target, flat, self.reduce_op, async_op=True, key=self.unit_key(unit))
 
     def _finish(self, unit: int) -> None:
-        bucket, target = self._launched.pop(unit)
+        target = self._launched.pop(unit)
         if self.post_scale != 1.0:
             target.mul_(self.post_scale)
         if self.master_store is not None:
             self.master_store.add_grad(unit, target)
         elif target is not self.grad_shards[unit]:
             self.grad_shards[unit].add_(target)
-        self._free.append(bucket)
+        self._ring.give_back()
 
     def _grad_shards(self):
         if self.master_store is not None:
@@ -119,9 +121,9 @@ class Stage2(ZeroPartitioner):
             self.master_store.zero_grad()
         for shard in self.grad_shards:
             self.allocator.release(shard, "grad")
-        for bucket in self._free:
-            self.allocator.release(bucket, "bucket")
-        self.grad_shards, self._free = [], []
+        if self._arena is not None:
+            self.allocator.release(self._arena, "bucket")
+        self.grad_shards, self._arena = [], None
         for params in self.unit_params:
             for p in params:
                 p.grad = None

@@ -7,7 +7,9 @@ backward needs a saved parameter, and released once its gradients are reduced. U
 ``stage3_param_persistence_threshold`` elements stay gathered. The order units are gathered in during
 the first forward is recorded; afterwards each gather prefetches the next units of that order
 (backward: the reverse order) up to ``stage3_prefetch_bucket_size`` elements, never holding more than
-``stage3_max_live_parameters`` gathered elements. The gradient path is stage 2's.
+``stage3_max_live_parameters`` gathered elements, and a unit whose next use is within
+``stage3_max_reuse_distance`` elements stays gathered until then (:mod:`zkit.zero.reuse`). The
+gradient path is stage 2's.
 
 Parameter offload: an allocator that places purpose ``"param"`` on the host keeps the shards there
 (gathers copy them to the device); one whose ``param_shard_store(dtype)`` returns a store keeps them there
@@ -23,6 +25,7 @@ import torch
 
 from zkit import diagnostics
 from zkit.zero.flat import Unit, persistent_units, plan_units
+from zkit.zero.reuse import kept_after_use
 from zkit.zero.sharded_params import ACTIVE, ShardedUnit, unpack_saved
 from zkit.zero.stage2 import Stage2
 
@@ -86,8 +89,14 @@ class Stage3(Stage2):
         self._phase = "idle"
         self.prefetch_numel = int(zc.stage3_prefetch_bucket_size)
         self.max_live = int(zc.stage3_max_live_parameters)
+        self.max_reuse = int(zc.stage3_max_reuse_distance)
         self.trace: list[int] = []
         self.trace_frozen = False
+        #: per trace position: keep the unit gathered after that use (set when the trace freezes)
+        self._keep: list[bool] = []
+        #: unit -> the trace position of each of its module's forward ends, in forward order
+        self._hook_positions: dict[int, list[int]] = {}
+        self._hook_calls: dict[int, int] = {}
         self._order: list[int] = []
         self._cursor = -1
         self._hooks_fwd = []
@@ -171,10 +180,45 @@ class Stage3(Stage2):
 
     def _after_module_forward(self, index: int):
         def hook(module, args, output):
-            if ACTIVE.fetch is not None and self._phase == "forward":
+            if ACTIVE.fetch is None or self._phase != "forward" or self.sharded[index].persistent:
+                return
+            if not self.trace_frozen:
+                if index in self.trace:  # the position of this use: the unit's latest gather
+                    position = len(self.trace) - 1 - self.trace[::-1].index(index)
+                    self._hook_positions.setdefault(index, []).append(position)
+                self.sharded[index].release()
+                return
+            call = self._hook_calls.get(index, 0)
+            self._hook_calls[index] = call + 1
+            positions = self._hook_positions.get(index, [])
+            if not (call < len(positions) and self._keeps(positions[call])):
                 self.sharded[index].release()
 
         return hook
+
+    def _keeps(self, position: int) -> bool:
+        """Keep the unit used at trace ``position`` gathered for its next use (within the reuse
+        distance, and the gathered elements within ``stage3_max_live_parameters``)."""
+        return self._keep[position] and self._live() <= self.max_live
+
+    def _release_after_forward(self) -> None:
+        """End of forward: keep the units backward reuses soon (the last ones first), release the rest."""
+        if not self.trace_frozen:
+            self._release_all()
+            return
+        last = {unit: position for position, unit in enumerate(self.trace)}
+        for unit in reversed(self.trace):  # backward's order: the nearest reuse first
+            su = self.sharded[unit]
+            if su.full is not None and not su.persistent and not self._keeps(last[unit]):
+                su.release()
+        for su in self.sharded:  # gathered outside the trace (a module run only this time)
+            if su.full is not None and su.unit.index not in last:
+                su.release()
+
+    def _freeze_trace(self) -> None:
+        self.trace_frozen = True
+        sizes = [su.unit.padded for su in self.sharded]
+        self._keep = kept_after_use(self.trace, sizes, [su.persistent for su in self.sharded], self.max_reuse)
 
     def _release_all(self) -> None:
         for su in self.sharded:
@@ -184,6 +228,7 @@ class Stage3(Stage2):
     def _active(self, phase: str) -> Iterator[None]:
         previous = ACTIVE.fetch
         ACTIVE.fetch, self._phase, self._cursor = self._fetch, phase, -1
+        self._hook_calls = {}
         if self.trace_frozen:
             self._order = self.trace if phase == "forward" else self.trace[::-1]
         try:
@@ -195,10 +240,10 @@ class Stage3(Stage2):
     def forward_context(self) -> Iterator[None]:
         with self._active("forward"), torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack_saved):
             yield
-        self._release_all()
+        self._release_after_forward()
         if not self.trace_frozen:
             self._check_same_order()
-            self.trace_frozen = True
+            self._freeze_trace()
 
     def _check_same_order(self, traces: list[list[int]] | None = None) -> None:
         if traces is None:
@@ -236,6 +281,9 @@ class Stage3(Stage2):
         return su.shard if su.store is None else None  # a stored shard is written through the store
 
     def _gather_params(self) -> None:
+        # The shards changed: a unit still gathered (kept for its reuse by a forward without a
+        # backward) holds the old values.
+        self._release_all()
         handles = []
         with self.comm.coalesced():
             for su in self.sharded:

@@ -1,0 +1,72 @@
+"""The pure scheduling pieces of stages 2-3: which units stay gathered for their reuse
+(:mod:`zkit.zero.reuse`) and the scratch ring reductions in flight share
+(:class:`zkit.zero.buckets.ScratchRing`)."""
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zkit.zero.buckets import ScratchRing
+from zkit.zero.reuse import kept_after_use, reuse_distances
+
+
+def _brute_force(trace, sizes, persistent):
+    uses = list(trace) + list(trace)[::-1]
+    out = []
+    for i in range(len(trace)):
+        later = [j for j in range(i + 1, len(uses)) if uses[j] == uses[i]]
+        out.append(None if not later else sum(0 if persistent[u] else sizes[u] for u in uses[i + 1 : later[0]]))
+    return out
+
+
+@given(
+    trace=st.lists(st.integers(0, 5), min_size=1, max_size=20),
+    sizes=st.lists(st.integers(1, 100), min_size=6, max_size=6),
+    persistent=st.lists(st.booleans(), min_size=6, max_size=6),
+)
+@settings(max_examples=200, deadline=None)
+def test_reuse_distance_is_the_elements_used_before_the_next_use(trace, sizes, persistent):
+    assert reuse_distances(trace, sizes, persistent) == _brute_force(trace, sizes, persistent)
+
+
+def test_reuse_distances_of_a_chain_and_a_tied_weight():
+    # embedding 0, two layers, the head reusing the embedding: forward 0 1 2 0, backward 0 2 1 0
+    trace, sizes = [0, 1, 2, 0], [10, 3, 5]
+    assert reuse_distances(trace, sizes, [False] * 3) == [8, 30, 20, 0]
+    assert kept_after_use(trace, sizes, [False] * 3, 20) == [True, False, True, True]
+    assert kept_after_use(trace, sizes, [False] * 3, 0) == [False, False, False, True]
+    assert reuse_distances(trace, sizes, [False, False, True]) == [3, 20, 20, 0]  # persistent: counts nothing
+
+
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=60), st.integers(40, 100))
+@settings(max_examples=200, deadline=None)
+def test_scratch_ring_regions_never_overlap(ops, size):
+    ring, live = ScratchRing(size), []
+    for launch, numel in ops:
+        if launch:
+            while not ring.fits(numel):
+                ring.give_back()
+                live.pop(0)
+            start, end = ring.take(numel)
+            assert 0 <= start < end <= size and end - start == numel
+            assert all(end <= a or b <= start for a, b in live), (start, end, live)
+            live.append((start, end))
+        elif live:
+            ring.give_back()
+            live.pop(0)
+
+
+def test_scratch_ring_holds_as_many_small_units_as_fit():
+    ring = ScratchRing(20)
+    assert [ring.take(4) for _ in range(5)] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
+    assert not ring.fits(1)
+    ring.give_back()
+    ring.give_back()
+    assert ring.take(8) == (0, 8)  # wraps to the space the two oldest gave back
+    assert not ring.fits(1)
+
+
+def test_a_unit_larger_than_the_scratch_ring_is_an_error():
+    with pytest.raises(ValueError, match="a unit of 30 elements does not fit a scratch arena of 20"):
+        ScratchRing(20).fits(30)
