@@ -118,9 +118,10 @@ class Engine(torch.nn.Module):
         self.config: ZkitConfig = load_config(config, world_size=world, sections=self.pm.config_sections())
         if self.config.seed is not None:
             _seed_everything(self.config.seed)
-        self.stack, self.records = configure(self.pm, stack, self.config)
-
         self.device = distributed.default_device()
+        # plugins choose per device (zkit-cuda-numba's kernel answers "FusedAdam" on cuda only)
+        self.stack, self.records = configure(self.pm, stack, self.config, self.device)
+
         self.dtype = self.config.dtype
         self.module = cast_model(model, self.dtype, self.device)
         self.comm = self.records["communicator"].factory(dp_group, self.config)

@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Iterable
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
     from zkit.config import ZkitConfig
     from zkit.engine import Engine
     from zkit.records import (
@@ -134,13 +136,18 @@ def zkit_config_sections() -> Iterable[ConfigSectionRecord]:
 
 
 @hookspec
-def zkit_configure(config: ZkitConfig) -> Stack | None:
+def zkit_configure(config: ZkitConfig, device: torch.device | None) -> Stack | None:
     """Called once per :func:`zkit.initialize`, after the config is loaded and before anything is
     built. Return a :class:`zkit.Stack` to choose records this config needs (the offload plugin
     answers ``offload_optimizer.device == "cpu"`` with ``Stack(allocator="host",
     optimizer="cpu_adam")``), or ``None``. Stacks returned here are overridden by a stack the
     user passes to ``initialize``; two plugins choosing different records for one family is an
-    error naming both."""
+    error naming both.
+
+    ``device`` is the device the engine trains on, so that a record suited to some devices only
+    is chosen on those (zkit-cuda-numba answers the config type ``"FusedAdam"`` on ``cuda`` with
+    ``Stack(optimizer="fused_adam_cuda")``); ``None`` when the caller builds no engine
+    (``zkit.zero.Init``). An implementation may leave the argument out."""
 
 
 @hookspec

@@ -16,6 +16,8 @@ import attrs
 from zkit.records import FAMILIES, RECORD_OF_FAMILY, Record
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from zkit.config import ZkitConfig
     from zkit.plugins import ZkitPluginManager
 
@@ -130,11 +132,12 @@ def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict
 
 
 def configure(
-    pm: "ZkitPluginManager", stack: Stack, config: "ZkitConfig"
+    pm: "ZkitPluginManager", stack: Stack, config: "ZkitConfig", device: "torch.device | None" = None
 ) -> tuple[Stack, dict[str, Record | None]]:
-    """What a config plus a user stack resolve to: the plugins' ``zkit_configure`` stacks merged
-    under the user's (their plugins registered), and the record of every family."""
-    answers = pm.call_each_named("zkit_configure", config=config)
+    """What a config plus a user stack resolve to on ``device`` (the engine's; ``None`` when no
+    engine is built): the plugins' ``zkit_configure`` stacks merged under the user's (their
+    plugins registered), and the record of every family."""
+    answers = pm.call_each_named("zkit_configure", config=config, device=device)
     from_plugins = merge_plugin_stacks(answers.items())
     _refuse_overridden_allocator(answers, from_plugins, stack)
     merged = from_plugins | stack

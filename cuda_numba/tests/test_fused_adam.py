@@ -73,9 +73,10 @@ def test_plugin_registers_under_simulator_and_reports():
 
     (record,) = list(plugin.zkit_register_optimizers())
     assert record.name == "fused_adam_cuda" and record.devices == ("cuda",)
-    assert record.state_names == ("exp_avg", "exp_avg_sq")
-    ((topic, text),) = list(plugin.zkit_report())
-    assert topic == "zkit-cuda-numba" and "simulator" in text
+    assert record.state_names == ("exp_avg", "exp_avg_sq") and record.saved_state_format == "adam"
+    report = dict(plugin.zkit_report())
+    assert "simulator" in report["zkit-cuda-numba"]
+    assert report["zkit-cuda-numba fused Adam"].startswith("config type FusedAdam on a cuda device steps with")
 
 
 def _step(opt, params, grads):

@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
     cuda.compile_ptx(K.softmax_bwd.py_func, (a4, a4, i1, int64, float32), cc=CC)
     f1 = float32[::1]
     for grad in (float32[::1], float16[::1]):
-        cuda.compile_ptx(A.check_finite.py_func, (grad, int64, int32[::1]), cc=CC)
+        cuda.compile_ptx(A.check_finite.py_func, (grad, int64[::1], int64[::1], int32[::1]), cc=CC)
         cuda.compile_ptx(A.adam_step.py_func, (f1, grad, f1, f1, float16[::1], boolean, int64[::1],
                          int64[::1], i1, f1, f1, f1, f1, f1, f1, f1, boolean, float32, int32[::1]),
                          cc=CC)

@@ -7,6 +7,9 @@ The config's ``optimizer.params`` keep DeepSpeed's names and meanings:
   as in DeepSpeed; ``"adam_w_mode": false`` gives Adam with L2 weight decay added to the gradient.
   ``"AdamW"`` is always decoupled. ``weight_decay`` defaults to 0 for both (DeepSpeed's default,
   not torch's 0.01 for AdamW). ``torch_adam`` is accepted: zkit always steps with torch's Adam.
+* ``"FusedAdam"`` (``"fused_adam"``), DeepSpeed's name for the optimizer it steps for ``"Adam"`` on
+  a GPU, is ``"Adam"`` here. On a CUDA device with zkit-cuda-numba installed, that plugin answers
+  the name with its Numba kernel instead (``fused_adam_cuda``, the same settings).
 * Each torch optimizer runs ``fused=True`` when torch has a fused kernel for every parameter's
   device and dtype (CPU and CUDA, all floating dtypes), else ``foreach``. ``fused``/``foreach``
   in the params override that choice.
@@ -147,6 +150,7 @@ def zkit_register_optimizers():
     yield OptimizerRecord(
         name="adam",
         factory=make_adam,
+        aliases=("fusedadam", "fused_adam"),
         state_names=("exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
         state_format="adam",
         description="Adam; decoupled weight decay (AdamW) unless adam_w_mode=false, as in DeepSpeed",

@@ -6,9 +6,10 @@ each thread block taking chunks grid-stride. Per-group hyper-parameters are smal
 
 ``check_finite`` is the fused inf/NaN check of the (still scaled) gradients; ``adam_step`` reads
 its flag on the device and does nothing when it is set, so a skipped fp16 step needs no host
-round trip before the launch. The gradient is unscaled on load, the fp32 master, ``exp_avg`` and
-``exp_avg_sq`` are updated in place and, when ``write_half`` is set, the new value is also written
-to the 16-bit model copy.
+round trip before the launch. The gradient is multiplied by ``inv_scale`` as it is loaded (the
+loss scale's inverse, times the clipping coefficient when the engine clips), the fp32 master,
+``exp_avg`` and ``exp_avg_sq`` are updated in place and, when ``write_half`` is set, the new value
+is also written to the 16-bit model copy.
 
 This module imports numba: import it lazily.
 """
@@ -22,14 +23,16 @@ CHUNK = 1 << 16
 
 
 @cuda.jit
-def check_finite(grad, n, found_inf):
-    """found_inf[0] <- 1 if any of grad[:n] is inf or NaN."""
-    start = cuda.grid(1)
-    stride = cuda.gridsize(1)
-    for i in range(start, n, stride):
-        g = float32(grad[i])
-        if math.isinf(g) or math.isnan(g):
-            found_inf[0] = 1
+def check_finite(grad, chunk_start, chunk_end, found_inf):
+    """found_inf[0] <- 1 if any gradient element of a chunk is inf or NaN. Only the chunks are
+    read: a buffer the optimizer steps in place may hold elements between parameters (ZeRO's
+    alignment padding) that belong to no parameter."""
+    tid = cuda.threadIdx.x
+    for c in range(cuda.blockIdx.x, chunk_start.shape[0], cuda.gridDim.x):
+        for i in range(chunk_start[c] + tid, chunk_end[c], cuda.blockDim.x):
+            g = float32(grad[i])
+            if math.isinf(g) or math.isnan(g):
+                found_inf[0] = 1
 
 
 @cuda.jit
