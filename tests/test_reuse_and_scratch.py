@@ -39,34 +39,34 @@ def test_reuse_distances_of_a_chain_and_a_tied_weight():
     assert reuse_distances(trace, sizes, [False, False, True]) == [3, 20, 20, 0]  # persistent: counts nothing
 
 
-@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=60), st.integers(40, 100))
+@given(st.lists(st.tuples(st.booleans(), st.integers(1, 40)), max_size=60), st.integers(40, 100), st.integers(1, 3))
 @settings(max_examples=200, deadline=None)
-def test_scratch_ring_regions_never_overlap(ops, size):
-    ring, live = ScratchRing(size), []
+def test_scratch_ring_regions_never_overlap_nor_cross_a_segment(ops, segment, count):
+    ring, live = ScratchRing(segment, count), []
     for launch, numel in ops:
         if launch:
             while not ring.fits(numel):
                 ring.give_back()
                 live.pop(0)
-            start, end = ring.take(numel)
-            assert 0 <= start < end <= size and end - start == numel
-            assert all(end <= a or b <= start for a, b in live), (start, end, live)
-            live.append((start, end))
+            seg, start, end = ring.take(numel)
+            assert 0 <= seg < count and 0 <= start < end <= segment and end - start == numel
+            assert all(s != seg or end <= a or b <= start for s, a, b in live), (seg, start, end, live)
+            live.append((seg, start, end))
         elif live:
             ring.give_back()
             live.pop(0)
 
 
 def test_scratch_ring_holds_as_many_small_units_as_fit():
-    ring = ScratchRing(20)
-    assert [ring.take(4) for _ in range(5)] == [(0, 4), (4, 8), (8, 12), (12, 16), (16, 20)]
-    assert not ring.fits(1)
+    ring = ScratchRing(10, 2)
+    assert [ring.take(4) for _ in range(4)] == [(0, 0, 4), (0, 4, 8), (1, 0, 4), (1, 4, 8)]
+    assert not ring.fits(3)  # 2 elements left in each segment
     ring.give_back()
     ring.give_back()
-    assert ring.take(8) == (0, 8)  # wraps to the space the two oldest gave back
-    assert not ring.fits(1)
+    assert ring.take(8) == (0, 0, 8)  # wraps to the segment the two oldest gave back
+    assert ring.fits(2) and not ring.fits(3)  # 2 left before the oldest in flight
 
 
-def test_a_unit_larger_than_the_scratch_ring_is_an_error():
-    with pytest.raises(ValueError, match="a unit of 30 elements does not fit a scratch arena of 20"):
-        ScratchRing(20).fits(30)
+def test_a_unit_larger_than_a_segment_is_an_error():
+    with pytest.raises(ValueError, match="a unit of 30 elements does not fit a scratch segment of 20"):
+        ScratchRing(20, 2).fits(30)

@@ -55,7 +55,7 @@ def worker(args: argparse.Namespace) -> None:
     cfg = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 1_000_000,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": args.stage, "reduce_bucket_size": 1_000_000, "overlap_comm": True,
-                                 "stage3_param_persistence_threshold": 0}}
+                                 "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}}
     engine, *_ = zkit.initialize(model=model, config=cfg)
     batch = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(args.rank))
 

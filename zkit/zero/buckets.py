@@ -81,42 +81,53 @@ class GradientBucketer:
 
 
 class ScratchRing:
-    """Scratch for reductions in flight, carved in launch order from one arena of ``size``
-    elements and handed back oldest first (the order :class:`GradientBucketer` finishes them).
+    """Scratch for reductions in flight, carved in launch order from ``count`` segments of
+    ``segment`` elements and handed back oldest first (the order :class:`GradientBucketer`
+    finishes them). A region lies within one segment, so each segment can be a buffer of its own.
 
-    Units of different sizes share the arena, so as many small units are in flight as fit where
-    two buckets of the largest unit would: stage 3's per-module units (a few hundred thousand
+    Units of different sizes share the segments, so as many small units are in flight as fit where
+    ``count`` buckets of the largest unit would: stage 3's per-module units (a few hundred thousand
     elements beside an embedding of millions) keep the link busy without more memory.
     """
 
-    def __init__(self, size: int) -> None:
-        self.size = size
+    def __init__(self, segment: int, count: int = 1) -> None:
+        self.segment, self.count = segment, count
+        self.size = segment * count
         self.regions: deque[tuple[int, int]] = deque()  # (start, numel), oldest first
 
+    def _aligned(self, start: int, numel: int) -> int:
+        """``start``, or the next segment's start if the region would cross into it."""
+        if start // self.segment != (start + numel - 1) // self.segment:
+            return (start // self.segment + 1) * self.segment
+        return start
+
     def _place(self, numel: int) -> int | None:
-        if numel > self.size:
-            raise ValueError(f"a unit of {numel} elements does not fit a scratch arena of {self.size}")
+        if numel > self.segment:
+            raise ValueError(f"a unit of {numel} elements does not fit a scratch segment of {self.segment}")
         if not self.regions:
             return 0
         tail = self.regions[0][0]
         head = self.regions[-1][0] + self.regions[-1][1]
         if self.regions[-1][0] >= tail:  # not wrapped: free space after head, then before tail
-            if head + numel <= self.size:
-                return head
+            start = self._aligned(head, numel)
+            if start + numel <= self.size:
+                return start
             return 0 if numel <= tail else None
-        return head if head + numel <= tail else None  # wrapped: free space between head and tail
+        start = self._aligned(head, numel)  # wrapped: free space between head and tail
+        return start if start + numel <= tail else None
 
     def fits(self, numel: int) -> bool:
         return self._place(numel) is not None
 
-    def take(self, numel: int) -> tuple[int, int]:
-        """Reserve ``numel`` elements; the ``(start, end)`` of the region (the caller checked
-        :meth:`fits`)."""
+    def take(self, numel: int) -> tuple[int, int, int]:
+        """Reserve ``numel`` elements: ``(segment, start, end)`` of the region within its segment
+        (the caller checked :meth:`fits`)."""
         start = self._place(numel)
         if start is None:
-            raise RuntimeError(f"no room for {numel} elements in the scratch arena: finish the oldest first")
+            raise RuntimeError(f"no room for {numel} elements in the scratch ring: finish the oldest first")
         self.regions.append((start, numel))
-        return start, start + numel
+        seg = start // self.segment
+        return seg, start - seg * self.segment, start - seg * self.segment + numel
 
     def give_back(self) -> None:
         """The oldest region is free again."""

@@ -28,9 +28,10 @@ class Stage2(ZeroPartitioner):
         self.grad_shards: list[torch.Tensor] = []
         self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
         buckets = 2 if self.ctx.config.zero_optimization.overlap_comm and len(self.units) > 1 else 1
-        self._ring = ScratchRing(buckets * max(u.padded for u in self.units))
-        #: the ring's memory, made by a batch's first reduction and handed back after the step
-        self._arena: torch.Tensor | None = None
+        self._ring = ScratchRing(max(u.padded for u in self.units), buckets)
+        #: the ring's segments (a bucket of the largest unit each), made by a batch's reductions as
+        #: needed and handed back after the step
+        self._segments: list[torch.Tensor | None] = [None] * buckets
         self._launched: dict[int, torch.Tensor] = {}
         self.bucketer = GradientBucketer(
             [len(ps) for ps in self.unit_params],
@@ -58,19 +59,24 @@ class Stage2(ZeroPartitioner):
         self.accumulated = True
 
     def _take_bucket(self, numel: int) -> torch.Tensor:
-        if self._arena is None:
-            self._arena = self.allocator.empty(self._ring.size, self.comm_dtype, "bucket")
-        start, end = self._ring.take(numel)
-        return self._arena[start:end]
+        seg, start, end = self._ring.take(numel)
+        if self._segments[seg] is None:
+            self._segments[seg] = self.allocator.empty(self._ring.segment, self.comm_dtype, "bucket")
+        return self._segments[seg][start:end]
 
-    def _ensure_grad_shards(self) -> list[torch.Tensor]:
+    def _ensure_grad_shards(self, overwritten: bool = False) -> list[torch.Tensor]:
+        """The gradient shards, made if the batch has none yet; ``overwritten``: the caller is the
+        batch's first reduction, which writes every shard whole (all units are reduced by the end
+        of backward), so they need not be zeroed first."""
         if not self.grad_shards and self.master_store is None:
-            self.grad_shards = [self.allocator.zeros(u.shard, self.accum_dtype, "grad") for u in self.units]
+            make = self.allocator.empty if overwritten else self.allocator.zeros
+            self.grad_shards = [make(u.shard, self.accum_dtype, "grad") for u in self.units]
         return self.grad_shards
 
     def _launch(self, unit: int):
         u = self.units[unit]
-        self._ensure_grad_shards()
+        # the first micro-step reduces straight into the shards, unless through a wider dtype
+        self._ensure_grad_shards(overwritten=not self.accumulated and self.accum_dtype == self.comm_dtype)
         flat = self._take_bucket(u.padded)
         for slot, p in zip(u.slots, self.unit_params[unit]):
             view = flat[slot.offset : slot.offset + slot.numel]
@@ -121,9 +127,10 @@ class Stage2(ZeroPartitioner):
             self.master_store.zero_grad()
         for shard in self.grad_shards:
             self.allocator.release(shard, "grad")
-        if self._arena is not None:
-            self.allocator.release(self._arena, "bucket")
-        self.grad_shards, self._arena = [], None
+        for segment in self._segments:
+            if segment is not None:
+                self.allocator.release(segment, "bucket")
+        self.grad_shards, self._segments = [], [None] * self._ring.count
         for params in self.unit_params:
             for p in params:
                 p.grad = None
