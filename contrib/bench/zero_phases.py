@@ -11,6 +11,7 @@ contestants get forward / backward / step only: DDP's all-reduce runs inside aut
 from __future__ import annotations
 
 import gc
+import resource
 import statistics
 import time
 from typing import Any
@@ -23,6 +24,8 @@ from zero_workloads import Workload, batches
 PHASES = ("forward", "backward", "step")
 KINDS = {"all_gather": "gather", "reduce_scatter": "reduce", "all_reduce": "reduce"}
 COLUMNS = ("forward", "backward", "step", "total", "gather issue", "gather wait", "reduce issue", "reduce wait")
+#: minor page faults per step: memory mapped afresh and touched (glibc returns large freed blocks)
+FAULTS = "page faults"
 
 
 class _Clock:
@@ -107,10 +110,11 @@ def phase_ranks(w: Workload, names: list[str]) -> dict[str, dict[str, list[float
         forward, backward, step, close = (
             _zkit_parts(w, name, clock) if name.startswith("zkit ZeRO-") else _torch_parts(w, name)
         )
-        per_step: dict[str, list[float]] = {c: [] for c in COLUMNS}
+        per_step: dict[str, list[float]] = {c: [] for c in (*COLUMNS, FAULTS)}
         for i, batch in enumerate(batches(w, dist.get_rank(), w.warmup_steps + w.timed_steps)):
             dist.barrier()
             clock.seconds = {}
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             loss = forward(batch)
             t1 = time.perf_counter()
@@ -122,6 +126,7 @@ def phase_ranks(w: Workload, names: list[str]) -> dict[str, dict[str, list[float
                 spent = {"forward": t1 - t0, "backward": t2 - t1, "step": t3 - t2, "total": t3 - t0, **clock.seconds}
                 for c in COLUMNS:
                     per_step[c].append(spent.get(c, 0.0))
+                per_step[FAULTS].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         close()
         out[name] = per_step
         del forward, backward, step, close
@@ -131,15 +136,16 @@ def phase_ranks(w: Workload, names: list[str]) -> dict[str, dict[str, list[float
 
 
 def phase_table(per_rank: list[dict[str, dict[str, list[float]]]], names: list[str]) -> str:
-    """One row per contestant and rank: the median of each column over the timed steps, in ms."""
-    rows = [["contestant", "rank", *[f"{c} ms" for c in COLUMNS]]]
+    """One row per contestant and rank: the median of each column over the timed steps (ms; page
+    faults: thousands)."""
+    rows = [["contestant", "rank", *[f"{c} ms" for c in COLUMNS], f"{FAULTS} k"]]
     for name in names:
         for rank, result in enumerate(per_rank):
             cols = result[name]
             torch_side = not name.startswith("zkit ZeRO-")
             rows.append([name, str(rank), *[
                 "" if torch_side and " " in c else f"{statistics.median(cols[c]) * 1000:.0f}" for c in COLUMNS
-            ]])
+            ], f"{statistics.median(cols[FAULTS]) / 1000:.1f}"])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(wd) for c, wd in zip(r, widths)).rstrip() for r in rows]
     lines.insert(1, "  ".join("-" * wd for wd in widths))
