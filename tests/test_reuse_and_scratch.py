@@ -34,8 +34,9 @@ def test_reuse_distances_of_a_chain_and_a_tied_weight():
     # embedding 0, two layers, the head reusing the embedding: forward 0 1 2 0, backward 0 2 1 0
     trace, sizes = [0, 1, 2, 0], [10, 3, 5]
     assert reuse_distances(trace, sizes, [False] * 3) == [8, 30, 20, 0]
-    assert kept_after_use(trace, sizes, [False] * 3, 20) == [True, False, True, True]
-    assert kept_after_use(trace, sizes, [False] * 3, 0) == [False, False, False, True]
+    assert kept_after_use(trace, sizes, [False] * 3, 20) == [True, False, False, True]
+    assert kept_after_use(trace, sizes, [False] * 3, 21) == [True, False, True, True]
+    assert kept_after_use(trace, sizes, [False] * 3, 0) == [False] * 4  # 0: release after every use
     assert reuse_distances(trace, sizes, [False, False, True]) == [3, 20, 20, 0]  # persistent: counts nothing
 
 

@@ -115,7 +115,7 @@ def test_stage3_keeps_units_gathered_for_a_reuse_within_the_distance():
     unit = runs[0]["unit"]
     assert runs[10**9]["gathers"][1:] == [0, 0], runs[10**9]
     assert runs[10**9]["most"] == 8 * unit
-    assert runs[0]["gathers"][1:] == [7, 7], runs[0]  # the first step records the order: all 8
+    assert runs[0]["gathers"][1:] == [8, 8], runs[0]
     # layer k (of 0-7) is used again after the 14 - 2k layers between its forward and its backward:
     # 330 elements (three 110-element units) keep layers 6 and 7
     assert runs[330]["gathers"][1:] == [6, 6], runs[330]

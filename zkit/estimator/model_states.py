@@ -31,8 +31,8 @@ within ``stage3_model_persistence_threshold``: gathered once, kept);
 ``grad`` the gradient shards; ``bucket``, ``master`` and ``optim_state`` as at stage 2, over
 those units. ``gathered_param`` is the working set of forward and backward: the largest released
 unit plus a prefetch bucket of released units (``stage3_prefetch_bucket_size``), plus the units kept
-gathered for a reuse within ``stage3_max_reuse_distance`` elements (one more largest unit and the
-distance), capped at all released units.
+gathered for a reuse within ``stage3_max_reuse_distance`` elements (when it is not 0: one more
+largest unit and the distance), capped at all released units.
 
 Purposes in :data:`TRANSIENT` exist only while a batch runs: gradients and buckets are made by the
 batch's first backward and handed back after the step (no stage holds gradient memory between
@@ -186,7 +186,10 @@ def model_state_bytes(
         device["grad"] = shard * c
         if released:
             largest = max(released) if largest_layer is None else int(largest_layer)
-            kept = largest + int(stage3_max_reuse_distance)  # zkit.zero.reuse
+            # zkit.zero.reuse: the units kept for a reuse within the distance (at 0 only a unit used
+            # again next, already counted as the one in use)
+            reuse = int(stage3_max_reuse_distance)
+            kept = largest + reuse if reuse > 0 else 0
             gathered = min(sum(released), largest + int(stage3_prefetch_bucket_size) + kept)
             device["gathered_param"] = gathered * p
     if stage >= 2:

@@ -2,7 +2,8 @@
 
 A module's parameters are released after its forward unless they are used again soon: DeepSpeed's
 rule, which zkit follows, is to keep a parameter whose next use comes within
-``stage3_max_reuse_distance`` parameter elements of the modules run in between. The uses are the
+``stage3_max_reuse_distance`` parameter elements of the modules run in between (strictly fewer:
+at 0 every module is released after use). The uses are the
 recorded forward order followed by backward, which runs it in reverse; so the last modules of
 forward are the first of backward, and a tied weight used at both ends of the model is reused
 after everything else.
@@ -38,6 +39,6 @@ def reuse_distances(trace: Sequence[int], sizes: Sequence[int], persistent: Sequ
 
 
 def kept_after_use(trace: Sequence[int], sizes: Sequence[int], persistent: Sequence[bool], max_reuse: int) -> list[bool]:
-    """Per position of ``trace``: keep the unit gathered after that use (its next use is within
-    ``max_reuse`` elements)."""
-    return [d is not None and d <= max_reuse for d in reuse_distances(trace, sizes, persistent)]
+    """Per position of ``trace``: keep the unit gathered after that use (fewer than ``max_reuse``
+    elements are used before its next use; as with DeepSpeed, 0 keeps nothing)."""
+    return [d is not None and d < max_reuse for d in reuse_distances(trace, sizes, persistent)]
