@@ -216,3 +216,25 @@ def test_cli_errors():
         main(["estimate", "--params", "10", "--world-sizes", "a"])
     with pytest.raises(SystemExit, match="--model takes MODULE:CALLABLE"):
         main(["estimate", "--model", "zkit.models.gpt"])
+
+
+def test_stage3_working_set_follows_the_reuse_distance(capsys):
+    """At distance 0 stage 3 gathers the unit in use plus the prefetch window; a distance adds the
+    units kept for their reuse (one more largest unit and the distance), capped at all units."""
+    shapes = [(f"m{i}.weight", (100, 10)) for i in range(10)]  # ten 1000-element units
+
+    def gathered(reuse: int) -> int:
+        states = model_state_bytes(shapes, stage=3, world_size=2, dtype="fp32", stage3_param_persistence_threshold=0,
+                                   stage3_prefetch_bucket_size=2000, stage3_max_reuse_distance=reuse)
+        return states.device["gathered_param"] // 4
+
+    assert gathered(0) == 1000 + 2000
+    assert gathered(3000) == 1000 + 2000 + 1000 + 3000
+    assert gathered(10**9) == 10 * 1000
+    main(["estimate", "--params", "2e9", "--world-sizes", "4", "--stages", "3", "--offload", "none",
+          "--dtypes", "fp16"])
+    default = capsys.readouterr().out
+    main(["estimate", "--params", "2e9", "--world-sizes", "4", "--stages", "3", "--offload", "none",
+          "--dtypes", "fp16", "--stage3-max-reuse-distance", "0"])
+    released = capsys.readouterr().out
+    assert default != released  # the whole model gathered at 1e9, one unit and a window at 0

@@ -120,3 +120,15 @@ def test_workload_round_trips_through_json():
     w = Workload(n_layer=3, dtype="bf16")
     assert Workload.from_json(w.to_json()) == w
     assert w.gpt_config().n_layer == 3
+
+
+def test_phase_table_shows_medians_in_ms_and_leaves_torch_collectives_blank():
+    from zero_phases import COLUMNS, FAULTS, phase_table
+
+    zkit_steps = {c: [0.010, 0.030, 0.020] for c in COLUMNS} | {FAULTS: [1000, 3000, 2000]}
+    torch_steps = {c: [0.5] for c in COLUMNS} | {FAULTS: [0]}
+    text = phase_table([{"zkit ZeRO-3": zkit_steps, "torch DDP": torch_steps}], ["zkit ZeRO-3", "torch DDP"])
+    header, _, zkit_row, torch_row = text.splitlines()
+    assert header.split()[:4] == ["contestant", "rank", "forward", "ms"]
+    assert zkit_row.split() == ["zkit", "ZeRO-3", "0", *["20"] * len(COLUMNS), "2.0"]
+    assert torch_row.split() == ["torch", "DDP", "0", "500", "500", "500", "500", "0.0"]
