@@ -78,14 +78,9 @@ def timed_communicator_record(clock: _Clock) -> Any:
 
 def _zkit_parts(w: Workload, name: str, clock: _Clock) -> tuple[Any, Any, Any, Any]:
     import zkit
-    from zero_torch_side import zkit_engine_config, zkit_stage
+    from zero_torch_side import build_zkit
 
-    stage, cfg = zkit_stage(name), zkit_engine_config(w, name)
-    with zkit.zero.Init(config=cfg, enabled=stage == 3):
-        from zero_workloads import build_model
-
-        model = build_model(w)
-    engine, *_ = zkit.initialize(model=model, config=cfg, stack=zkit.Stack(communicator=timed_communicator_record(clock)))
+    engine = build_zkit(w, name, zkit.Stack(communicator=timed_communicator_record(clock)))
     return (lambda b: engine(b, b)), engine.backward, engine.step, engine.close
 
 

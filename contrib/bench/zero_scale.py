@@ -67,13 +67,15 @@ def estimated_largest(stage: int, world: int, cap_bytes: int, template: Workload
     ranks) at ``stage``: model states plus activations per rank, plus each rank's baseline."""
     from zkit.estimate import estimate_memory
 
+    # the workload's stage3_max_reuse_distance when it sets one, else the estimator's (the config's) default
+    distance = template.stage3_max_reuse_distance
+    reuse = {} if distance is None else {"stage3_max_reuse_distance": distance}
+
     def fits(depth: int) -> bool:
         w = attrs.evolve(template, n_layer=depth)
         est = estimate_memory(gpt_config=w.gpt_config(), world_sizes=(world,), stages=(stage,), offloads=("none",),
                               dtypes=("fp32",), batch=w.micro_batch, seq=w.seq_len, accelerator=False,
-                              reduce_bucket_size=w.bucket_numel,
-                              stage3_max_reuse_distance=(10**9 if w.stage3_max_reuse_distance is None
-                                                         else w.stage3_max_reuse_distance))
+                              reduce_bucket_size=w.bucket_numel, **reuse)
         states = est.rows[0].states
         acts = max(a.peak for a in est.activations if not a.checkpointing)
         return states.device_total + states.host_total + acts + RANK_BASELINE_BYTES <= cap_bytes / world

@@ -67,15 +67,16 @@ def zkit_engine_config(w: Workload, name: str) -> dict[str, Any]:
     return cfg
 
 
-def build_zkit(w: Workload, name: str) -> Any:
+def build_zkit(w: Workload, name: str, stack: Any = None) -> Any:
     """zkit's engine; at stage 3 the model is built under ``zkit.zero.Init``, so no rank ever
-    holds more than its shard of the fp32 weights (as a ZeRO-3 user builds a large model)."""
+    holds more than its shard of the fp32 weights (as a ZeRO-3 user builds a large model).
+    ``stack``: a ``zkit.Stack`` on top of the config (the phase breakdown's timed communicator)."""
     import zkit
 
     cfg = zkit_engine_config(w, name)
     with zkit.zero.Init(config=cfg, enabled=zkit_stage(name) == 3):
         model = build_model(w)
-    engine, *_ = zkit.initialize(model=model, config=cfg)
+    engine, *_ = zkit.initialize(model=model, config=cfg, stack=stack)
     return engine
 
 

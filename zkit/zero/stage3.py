@@ -92,8 +92,10 @@ class Stage3(Stage2):
         self.max_reuse = int(zc.stage3_max_reuse_distance)
         self.trace: list[int] = []
         self.trace_frozen = False
-        #: per trace position: keep the unit gathered after that use (set when the trace freezes)
+        #: per trace position: keep the unit gathered after that use; per unit in the trace: the
+        #: position of its last use in forward (both set when the trace freezes)
         self._keep: list[bool] = []
+        self._last_use: dict[int, int] = {}
         #: unit -> the trace position of each of its module's forward ends, in forward order
         self._hook_positions: dict[int, list[int]] = {}
         self._hook_calls: dict[int, int] = {}
@@ -206,19 +208,19 @@ class Stage3(Stage2):
         if not self.trace_frozen:
             self._release_all()
             return
-        last = {unit: position for position, unit in enumerate(self.trace)}
         for unit in reversed(self.trace):  # backward's order: the nearest reuse first
             su = self.sharded[unit]
-            if su.full is not None and not su.persistent and not self._keeps(last[unit]):
+            if su.full is not None and not su.persistent and not self._keeps(self._last_use[unit]):
                 su.release()
         for su in self.sharded:  # gathered outside the trace (a module run only this time)
-            if su.full is not None and su.unit.index not in last:
+            if su.full is not None and su.unit.index not in self._last_use:
                 su.release()
 
     def _freeze_trace(self) -> None:
         self.trace_frozen = True
         sizes = [su.unit.padded for su in self.sharded]
         self._keep = kept_after_use(self.trace, sizes, [su.persistent for su in self.sharded], self.max_reuse)
+        self._last_use = {unit: position for position, unit in enumerate(self.trace)}
 
     def _release_all(self) -> None:
         for su in self.sharded:
