@@ -84,7 +84,10 @@ def _gathered_window(prefetch: int, reuse: int = 0) -> dict:
     gathers, losses = [], []
 
     def record(*_):
-        most[0] = max(most[0], sum(su.unit.padded for su in sharded if su.full is not None))
+        gathered = sum(su.unit.padded for su in sharded if su.full is not None)
+        # the partitioner's running count (read at every gather and keep decision) is the walk's
+        assert engine.partitioner._live() == gathered, (engine.partitioner._live(), gathered)
+        most[0] = max(most[0], gathered)
 
     for layer in model:
         layer.register_forward_hook(record)

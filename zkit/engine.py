@@ -86,7 +86,33 @@ def initialize(
         collate_fn=collate_fn,
     )
     optimizer_out = None if engine.inference_only else engine.optimizer
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", engine.world_size))
+    host_memory.fit_to_memory(_host_state_bytes(engine), local_ranks)
+    host_memory.trim()  # what building and partitioning the model freed
     return engine, optimizer_out, engine.training_dataloader, engine.lr_scheduler
+
+
+def _host_state_bytes(engine: "Engine") -> int:
+    """The rank's model states in host memory by ``zkit estimate``'s formula (with the gathered
+    parameters and buckets of a step): all of them on a CPU device, none on an accelerator (the
+    offload allocators manage their own host memory)."""
+    from zkit.estimator.model_states import model_state_bytes
+
+    if engine.device.type != "cpu":
+        return 0
+    z = engine.config.zero_optimization
+    shapes = [(n, tuple(p.shape)) for n, p in engine.module.named_parameters() if p.requires_grad]
+    if not shapes:
+        return 0
+    dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(engine.dtype, "fp32")
+    states = model_state_bytes(
+        shapes, stage=z.stage, world_size=engine.world_size, dtype=dtype, accelerator=False,
+        reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm,
+        stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+        stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
+        stage3_max_reuse_distance=z.stage3_max_reuse_distance,
+    )
+    return states.device_total + states.host_total
 
 
 class Engine(torch.nn.Module):

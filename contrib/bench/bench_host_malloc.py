@@ -1,6 +1,8 @@
-"""What ``ZKIT_HOST_MALLOC=return`` (glibc's mmap threshold fixed, see zkit/host_memory.py) costs
-in step time and saves in resident memory: a stage-3 GPT (4 x 1024, micro-batch 4 x 128) on 2 gloo
-ranks x 1 thread, each setting in its own job, rounds alternating.
+"""What returning freed host memory to the system costs in step time and saves in resident memory
+(see zkit/host_memory.py): a stage-3 GPT (4 x 1024, micro-batch 4 x 128) on 2 gloo ranks x 1
+thread, each setting in its own job, rounds alternating. Settings: ``keep`` (glibc's moving
+threshold), ``return`` (threshold fixed at 1 MiB; what ``auto`` chooses near the memory limit) and
+``keep`` with ``malloc_trim`` after every step (the alternative zkit does not take).
 
     OMP_NUM_THREADS=1 python contrib/bench/bench_host_malloc.py --rounds 3
 """
@@ -18,7 +20,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 
-def ranks(stage: int, steps: int) -> tuple[list[float], int]:
+def ranks(stage: int, steps: int, trim_each_step: bool) -> tuple[list[float], int]:
     """One rank: build the engine, time ``steps`` steps (the first 2 untimed); its peak RSS (KiB)."""
     import resource
 
@@ -37,15 +39,23 @@ def ranks(stage: int, steps: int) -> tuple[list[float], int]:
         t = time.perf_counter()
         engine.backward(engine(b, b))
         engine.step()
+        if trim_each_step:
+            _malloc_trim(0)
         times.append(time.perf_counter() - t)
     engine.close()
     return times[2:], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
-def _job(stage: int, steps: int) -> None:
+def _malloc_trim(pad: int) -> int:
+    import ctypes
+
+    return ctypes.CDLL("libc.so.6").malloc_trim(pad)
+
+
+def _job(stage: int, steps: int, trim_each_step: bool) -> None:
     from zkit.testing import run_ranks
 
-    results = run_ranks(ranks, 2, args=(stage, steps), timeout=900)
+    results = run_ranks(ranks, 2, args=(stage, steps, trim_each_step), timeout=900)
     slowest = [max(ts) for ts in zip(*(times for times, _ in results))]
     print("RESULT " + json.dumps({"steps": slowest, "peak_rss_kib": max(rss for _, rss in results)}))
 
@@ -56,25 +66,28 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--stage", type=int, default=3)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--trim-each-step", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.job:
-        _job(args.stage, args.steps)
+        _job(args.stage, args.steps, args.trim_each_step)
         return
-    settings = {"default": "default", "return": "return"}
+    settings = {"keep": ("keep", False), "return": ("return", False), "keep + trim each step": ("keep", True)}
     runs: dict[str, list[dict]] = {k: [] for k in settings}
     for _ in range(args.rounds):
-        for name, value in settings.items():
+        for name, (value, trim) in settings.items():
             env = dict(os.environ, OMP_NUM_THREADS="1", ZKIT_HOST_MALLOC=value)
             out = subprocess.run([sys.executable, __file__, "--job", "--stage", str(args.stage), "--steps",
-                                  str(args.steps)], env=env, capture_output=True, text=True, check=True).stdout
+                                  str(args.steps)] + (["--trim-each-step"] if trim else []),
+                                 env=env, capture_output=True, text=True, check=True).stdout
             runs[name].append(json.loads(next(l for l in out.splitlines() if l.startswith("RESULT "))[7:]))
     print(f"ZeRO-{args.stage}, 2 ranks, {args.rounds} rounds x {args.steps} timed steps (slowest rank)")
-    print(f"{'ZKIT_HOST_MALLOC':<18}{'median step s':>14}{'peak RSS MiB':>14}")
+    print(f"{'setting':<24}{'median step s':>14}{'peak RSS MiB':>14}")
     med = {}
     for name, rs in runs.items():
         med[name] = statistics.median(t for r in rs for t in r["steps"])
-        print(f"{name:<18}{med[name]:>14.3f}{max(r['peak_rss_kib'] for r in rs) // 1024:>14}")
-    print(f"return / default step time: {med['return'] / med['default']:.2f}x")
+        print(f"{name:<24}{med[name]:>14.3f}{max(r['peak_rss_kib'] for r in rs) // 1024:>14}")
+    for name in list(settings)[1:]:
+        print(f"{name} / keep step time: {med[name] / med['keep']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ whose ``__init__`` re-initialises its children's weights, reported a loss of 0.0
 Each attempt runs in a child process inside its own memory cgroup (``--cap-gib``; see
 :mod:`bench_offload_common`), so a size that does not fit is killed by the kernel. Sizes are GPT
 depths at a fixed width: doubled from 1 layer until an attempt fails, then bisected between the
-last success and the first failure. Reported: parameters, the cgroup's peak (anonymous memory and
-page cache), the child's peak RSS and the median step time. Example (about an hour at 4 GiB)::
+last success and the first failure (``--depths`` tries given depths instead). Reported: parameters,
+the cgroup's peak (anonymous memory and page cache), the child's peak RSS and the median step time;
+for the NVMe contestants also the bytes read and written per step (``/proc/self/io``) and the disk
+bound: those bytes at the swapper's read and write bandwidth, measured at the start of the run. Example (about an hour at 4 GiB)::
 
     python contrib/bench/bench_offload_scale.py --cap-gib 4 --nvme-path /tmp \\
         --ds-python /tmp/dsvenv/bin/python
@@ -138,12 +140,23 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
             return loss.item()
     if variant != "torch":
         del model  # the engine holds what it needs (stage 3: the shards)
-    losses, times = [], []
+    losses, times, io = [], [], []
     for _ in range(STEPS):
+        before = _storage_io()
         t0 = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - t0)
-    return {"params": params, "losses": losses, "times": times, "peak_rss": _peak_rss()}
+        after = _storage_io()
+        io.append([after[0] - before[0], after[1] - before[1]])
+    return {"params": params, "losses": losses, "times": times, "peak_rss": _peak_rss(), "io": io}
+
+
+def _storage_io() -> tuple[int, int]:
+    """Bytes this process has read from and written to storage, by the kernel's count
+    (``/proc/self/io``: block-device traffic, O_DIRECT included, page-cache hits excluded)."""
+    with open("/proc/self/io") as f:
+        fields = dict(line.split(": ") for line in f.read().splitlines())
+    return int(fields["read_bytes"]), int(fields["write_bytes"])
 
 
 # -- parent side ------------------------------------------------------------------------------------
@@ -195,6 +208,13 @@ def search(variant: str, args: argparse.Namespace, log) -> tuple[int, dict[str, 
             f"{r['cgroup_peak'] / 2**30:.2f} GiB, step {sorted(r['times'])[1]:.1f} s" if r["ok"] else r["note"]))
         return r["ok"]
 
+    if args.depths:  # given depths, in order, until one fails
+        good = 0
+        for layers in args.depths:
+            if not run(layers):
+                break
+            good = layers
+        return good, dict(tried).get(good), tried
     good, bad = 0, None
     layers = 1
     while layers <= args.max_layers:
@@ -223,6 +243,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-layers", type=int, default=512)
     p.add_argument("--precision", type=int, default=8, help="bisect until within 1/precision of the depth found")
     p.add_argument("--timeout", type=float, default=1200.0, help="seconds per attempt")
+    p.add_argument("--depths", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                   help="try these depths in order (stop at the first failure) instead of doubling and bisecting")
+    p.add_argument("--disk-mb", type=int, default=2048, help="size of the disk bandwidth probe (0: skip it)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -234,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     args.shim_dir = tempfile.mkdtemp(prefix="zkit-ds-shim-")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     log(f"cap {args.cap_gib} GiB per attempt, width {args.d_model}, load average {os.getloadavg()}")
+    disk = None
+    if args.disk_mb and any(v.endswith("nvme") for v in variants):
+        disk = disk_bandwidth(args.nvme_path, args.disk_mb)
+        log(f"disk: the NVMe swapper at the contestants' aio settings writes {disk[0]:.2f} GB/s and reads "
+            f"{disk[1]:.2f} GB/s ({args.disk_mb} MiB, O_DIRECT)")
     rows = []
     for v in variants:
         layers, best, _ = search(v, args, log)
@@ -250,7 +278,32 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{b['params'] / base:.2f}" if base else "-"
         print(f"| {v} | {layers} | {b['params'] / 1e6:.0f}M | {ratio} | {b['cgroup_peak'] / 2**30:.2f} | "
               f"{b['peak_rss'] / 2**30:.2f} | {sorted(b['times'])[1]:.2f} |")
+    if disk is not None:
+        print(f"\nDisk traffic per step (median step; /proc/self/io) against the disk bound (bytes read / "
+              f"{disk[1]:.2f} GB/s + bytes written / {disk[0]:.2f} GB/s, the swapper's bandwidth measured in this run):")
+        print("| contestant | params | read GB | written GB | bytes / param | disk bound s | step s | step / bound |")
+        print("|---|---|---|---|---|---|---|---|")
+        for v, layers, b in rows:
+            if b is None or "io" not in b or not v.endswith("nvme"):
+                continue
+            i = sorted(range(len(b["times"])), key=b["times"].__getitem__)[len(b["times"]) // 2]
+            read, written = b["io"][i]
+            bound = read / (disk[1] * 1e9) + written / (disk[0] * 1e9)
+            print(f"| {v} | {b['params'] / 1e6:.0f}M | {read / 1e9:.2f} | {written / 1e9:.2f} | "
+                  f"{(read + written) / b['params']:.1f} | {bound:.1f} | {b['times'][i]:.1f} | {b['times'][i] / bound:.2f} |")
     return 0
+
+
+def disk_bandwidth(directory: str, size_mb: int) -> tuple[float, float]:
+    """(write, read) GB/s of zkit-offload's swapper with the contestants' aio settings (1 MiB
+    blocks, queue depth 8), on a file in ``directory``."""
+    from bench_nvme_swap import swapper_bandwidth
+
+    probe = tempfile.mkdtemp(prefix="offload-scale-disk-", dir=directory)
+    try:
+        return swapper_bandwidth(probe, size_mb, block_size=1 << 20, threads=8, rounds=2)
+    finally:
+        shutil.rmtree(probe, ignore_errors=True)
 
 
 if __name__ == "__main__":

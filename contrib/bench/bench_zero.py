@@ -49,7 +49,6 @@ from zero_workloads import DTYPES, Workload, median_and_spread  # noqa: E402
 
 DEFAULT_DS_PYTHON = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", ".venv-peers", "bin", "python")
 STAGES = (0, 1, 2, 3)
-RETURN = "ZKIT_HOST_MALLOC=return"
 GIB = 2**30
 
 
@@ -109,8 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale-world", type=positive_int, default=4, help="ranks in scale mode")
     p.add_argument("--scale-depths", type=int_list, default=None, help="GPT depths to try (width 1024)")
     p.add_argument("--scale-stages", type=int_list, default=list(STAGES), help="ZeRO stages searched in scale mode")
-    p.add_argument("--scale-host-malloc-return", action="store_true",
-                   help=f"add zkit rows run with {RETURN} (glibc's mmap threshold fixed: less memory, slower steps)")
+    p.add_argument("--scale-host-malloc", type=lambda v: [c for c in v.split(",") if c], default=[],
+                   help="add zkit rows with these ZKIT_HOST_MALLOC choices (return, keep; comma-separated); "
+                        "the plain rows run at the default, auto")
     args = p.parse_args(argv)
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
@@ -351,18 +351,29 @@ def scale_mode(args: argparse.Namespace, shim: str) -> str:
     world = args.scale_world
     sizes = zero_scale.ladder(tuple(args.scale_depths) if args.scale_depths else zero_scale.DEPTHS)
     contestants: list[tuple[str, int, Any]] = []
+    def in_job_cgroup(w: Workload, name: str, env: dict[str, str] | None = None) -> list[Any] | str:
+        """The ranks inside one memory cgroup of the cap (every rank also stops itself at its
+        share): the limit a job gets from its container or scheduler."""
+        from bench_offload_common import CappedRun
+
+        try:
+            job = CappedRun(cap)
+        except RuntimeError:  # no writable cgroup: the ranks see the machine's memory
+            return merge_or_error(run_zkit_side(train_ranks, world, (w, name, cap // world), args.timeout, env))
+        with job:
+            return merge_or_error(run_zkit_side(
+                train_ranks, world, (w, name, cap // world, str(job.dir / "cgroup.procs")), args.timeout, env))
+
     for s in args.scale_stages:
-        contestants.append((f"zkit ZeRO-{s}", s, lambda w, name=f"zkit ZeRO-{s}": merge_or_error(
-            run_zkit_side(train_ranks, world, (w, name, cap // world), args.timeout))))
-        if args.scale_host_malloc_return:  # zkit's opt-in: freed host memory back to the system
-            contestants.append((f"zkit ZeRO-{s} {RETURN}", s, lambda w, name=f"zkit ZeRO-{s}": merge_or_error(
-                run_zkit_side(train_ranks, world, (w, name, cap // world), args.timeout, {"ZKIT_HOST_MALLOC": "return"}))))
+        contestants.append((f"zkit ZeRO-{s}", s, lambda w, name=f"zkit ZeRO-{s}": in_job_cgroup(w, name)))
+        for choice in args.scale_host_malloc:  # zkit's other choices of ZKIT_HOST_MALLOC
+            contestants.append((f"zkit ZeRO-{s} ZKIT_HOST_MALLOC={choice}", s, lambda w, name=f"zkit ZeRO-{s}", c=choice:
+                                in_job_cgroup(w, name, {"ZKIT_HOST_MALLOC": c})))
         if args.deepspeed_python:
             contestants.append((f"DeepSpeed ZeRO-{s}", s, lambda w, s=s: zero_scale.run_deepspeed_train(
                 args.deepspeed_python, shim, w, s, world, cap, args.timeout)))
     if 3 in args.scale_stages:
-        contestants.append(("torch FSDP2", 3, lambda w: merge_or_error(
-            run_zkit_side(train_ranks, world, (w, "torch FSDP2", cap // world), args.timeout))))
+        contestants.append(("torch FSDP2", 3, lambda w: in_job_cgroup(w, "torch FSDP2")))
     rows = [["contestant", "largest trained", "step s", "peak RSS (all ranks)", "next size", "zkit estimate", "trained / estimate"]]
     for name, stage, run in contestants:
         log(f"scale: {name}")

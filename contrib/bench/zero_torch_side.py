@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import traceback
 from typing import Any, Callable
 
@@ -234,11 +235,16 @@ def state_ranks(w: Workload, stages: list[int]) -> dict[int, Any]:
     return out
 
 
-def train_ranks(w: Workload, name: str, rss_cap: int) -> dict[str, Any]:
+def train_ranks(w: Workload, name: str, rss_cap: int, cgroup_procs: str | None = None) -> dict[str, Any]:
     """Build ``name`` and train ``w.timed_steps`` steps under a per-rank resident-set cap (scale
-    mode); returns the step times and this rank's peak resident set."""
+    mode); returns the step times and this rank's peak resident set. ``cgroup_procs``: the job's
+    memory cgroup (its ``cgroup.procs``), which the rank joins first, as a rank of a job under a
+    container's or a scheduler's memory limit runs (the limit a library may read)."""
     from zero_workloads import RssGuard, peak_rss_bytes
 
+    if cgroup_procs is not None:
+        with open(cgroup_procs, "w") as f:
+            f.write(str(os.getpid()))
     torch.set_num_threads(1)
     guard = RssGuard(rss_cap)
     try:

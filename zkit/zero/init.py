@@ -164,6 +164,7 @@ class Init:
             else:
                 setattr(cls, name, original)
         self._patched = []
+        host_memory.trim()  # each module's full tensors, freed as it was partitioned
 
 
 def _without_placeholders(config: Any) -> Any:

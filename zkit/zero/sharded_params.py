@@ -199,6 +199,17 @@ def unpack_saved(t: Any) -> Any:
     return t
 
 
+class GatheredElements:
+    """The elements of the released (non-persistent) units gathered now, counted by the units as
+    they gather and release: the partitioner's limit checks read it at every gather and keep
+    decision, which must not walk every unit of a model of thousands of modules."""
+
+    __slots__ = ("numel",)
+
+    def __init__(self) -> None:
+        self.numel = 0
+
+
 class ShardedUnit:
     """One module's parameters as a flat buffer of which this rank keeps shard ``rank``."""
 
@@ -209,9 +220,12 @@ class ShardedUnit:
         self.comm = comm
         self.allocator = allocator
         self.module_name = module_name
-        self.full: torch.Tensor | None = None
+        self._full: torch.Tensor | None = None
         self.handle: Any = None
         self.persistent = False
+        #: the partitioner's count of gathered elements, kept by this unit when it is released
+        #: between uses (not persistent); None: not counted
+        self.gathered_count: GatheredElements | None = None
         #: the fp32 master of this shard when it is a separate copy (set by the stage-3 partitioner).
         self.master: torch.Tensor | None = None
         #: where the shard lives when it is not ``shard`` (an offload allocator's store); None: ``shard``.
@@ -224,6 +238,17 @@ class ShardedUnit:
             p._zkit_unit = self
             p._zkit_released = False
             p._zkit_id = next(_next_param_id)
+
+    @property
+    def full(self) -> torch.Tensor | None:
+        """The gathered parameters (the whole padded unit), or None while released."""
+        return self._full
+
+    @full.setter
+    def full(self, value: torch.Tensor | None) -> None:
+        if self.gathered_count is not None and not self.persistent and (value is None) != (self._full is None):
+            self.gathered_count.numel += self.unit.padded if value is not None else -self.unit.padded
+        self._full = value
 
     @classmethod
     def from_params(cls, unit: Unit, params: list[torch.nn.Parameter], comm: Any, allocator: Any, rank: int, module_name: str) -> "ShardedUnit":

@@ -26,7 +26,7 @@ import torch
 from zkit import diagnostics
 from zkit.zero.flat import Unit, persistent_units, plan_units
 from zkit.zero.reuse import kept_after_use
-from zkit.zero.sharded_params import ACTIVE, ShardedUnit, unpack_saved
+from zkit.zero.sharded_params import ACTIVE, GatheredElements, ShardedUnit, unpack_saved
 from zkit.zero.stage2 import Stage2
 
 
@@ -61,6 +61,7 @@ class Stage3(Stage2):
     def _build_param_buffers(self) -> None:
         zc = self.ctx.config.zero_optimization
         self.sharded: list[ShardedUnit] = []
+        self._gathered = GatheredElements()
         persistent = persistent_units(
             [u.numel for u in self.units],
             int(zc.stage3_param_persistence_threshold),
@@ -85,6 +86,7 @@ class Stage3(Stage2):
                 su.wait()
             else:
                 su.release()
+                su.gathered_count = self._gathered
             self.sharded.append(su)
         self._phase = "idle"
         self.prefetch_numel = int(zc.stage3_prefetch_bucket_size)
@@ -135,7 +137,8 @@ class Stage3(Stage2):
 
     # -- gathering -------------------------------------------------------------------------------
     def _live(self) -> int:
-        return sum(su.unit.padded for su in self.sharded if su.full is not None and not su.persistent)
+        """Elements of the released units gathered now (persistent units are not counted)."""
+        return self._gathered.numel
 
     def _fetch(self, su: ShardedUnit) -> None:
         """Called when a released parameter is used: gather its unit, prefetch what comes next."""
