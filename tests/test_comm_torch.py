@@ -9,7 +9,7 @@ from zkit.testing import run_ranks
 import comm_ranks as cr
 
 
-@pytest.mark.parametrize("world,flat", [(2, None), (3, None), (2, "native"), (3, "native")])
+@pytest.mark.parametrize("world,flat", [(2, None), (3, None), (4, None), (2, "native"), (3, "native")])
 def test_flat_collectives_match_their_definition(world, flat):
     shard = 1001  # odd: chunks do not line up with anything
     results = run_ranks(cr.flat_collectives, world, args=(shard, flat), timeout=120)
@@ -57,6 +57,12 @@ def test_the_backend_chooses_its_flat_collectives():
     assert choose("gloo").kind == "per_rank" and not choose("gloo").native_avg
     assert choose("nccl").kind == "native" and choose("nccl").native_avg and choose("nccl").coalesces
     assert choose("gloo", "native").coalesces and not choose("nccl", "per_rank").coalesces
+    # from 4 gloo ranks up, small reduce-scatters are gloo's own; forced kinds hold for every size
+    assert choose("gloo", world_size=3).native_reduce_scatter_below == 0
+    assert choose("gloo", world_size=4).native_reduce_scatter_below == 4 * 384 * 1024
+    assert choose("gloo", world_size=8).native_reduce_scatter_below == 8 * 384 * 1024
+    assert choose("gloo", "per_rank", world_size=4).native_reduce_scatter_below == 0
+    assert choose("nccl", world_size=8).native_reduce_scatter_below == 0
 
 
 def test_native_and_per_rank_collectives_train_the_same_parameters():

@@ -108,6 +108,7 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
         model = GPT(cfg)
     params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
     batch = torch.randint(0, cfg.vocab_size, (1, cfg.seq_len), generator=torch.Generator().manual_seed(1))
+    phases: list = []  # per step: [seconds, bytes read, bytes written] of forward, backward, step
     if variant == "torch":
         opt = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)
 
@@ -123,9 +124,14 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
         engine, *_ = zkit.initialize(model=model, config=config)
 
         def step() -> float:
+            marks = [_mark()]
             loss = engine(batch, batch)
+            marks.append(_mark())
             engine.backward(loss)
+            marks.append(_mark())
             engine.step()
+            marks.append(_mark())
+            phases.append([[b[i] - a[i] for i in range(3)] for a, b in zip(marks, marks[1:])])
             return loss.item()
     else:
         import deepspeed
@@ -134,9 +140,14 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
                                           config=config, dist_init_required=False)
 
         def step() -> float:
+            marks = [_mark()]
             loss = engine(batch, batch)
+            marks.append(_mark())
             engine.backward(loss)
+            marks.append(_mark())
             engine.step()
+            marks.append(_mark())
+            phases.append([[b[i] - a[i] for i in range(3)] for a, b in zip(marks, marks[1:])])
             return loss.item()
     if variant != "torch":
         del model  # the engine holds what it needs (stage 3: the shards)
@@ -148,7 +159,11 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
         times.append(time.perf_counter() - t0)
         after = _storage_io()
         io.append([after[0] - before[0], after[1] - before[1]])
-    return {"params": params, "losses": losses, "times": times, "peak_rss": _peak_rss(), "io": io}
+    return {"params": params, "losses": losses, "times": times, "peak_rss": _peak_rss(), "io": io, "phases": phases}
+
+
+def _mark() -> tuple[float, int, int]:
+    return (time.perf_counter(), *_storage_io())
 
 
 def _storage_io() -> tuple[int, int]:
@@ -283,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{disk[1]:.2f} GB/s + bytes written / {disk[0]:.2f} GB/s, the swapper's bandwidth measured in this run):")
         print("| contestant | params | read GB | written GB | bytes / param | disk bound s | step s | step / bound |")
         print("|---|---|---|---|---|---|---|---|")
+        phase_lines = []
         for v, layers, b in rows:
             if b is None or "io" not in b or not v.endswith("nvme"):
                 continue
@@ -291,6 +307,12 @@ def main(argv: list[str] | None = None) -> int:
             bound = read / (disk[1] * 1e9) + written / (disk[0] * 1e9)
             print(f"| {v} | {b['params'] / 1e6:.0f}M | {read / 1e9:.2f} | {written / 1e9:.2f} | "
                   f"{(read + written) / b['params']:.1f} | {bound:.1f} | {b['times'][i]:.1f} | {b['times'][i] / bound:.2f} |")
+            if b.get("phases"):
+                cells = [f"{name} {sec:.1f} s, read {r / 1e9:.2f} GB, written {w / 1e9:.2f} GB "
+                         f"(bound {r / (disk[1] * 1e9) + w / (disk[0] * 1e9):.1f} s)"
+                         for name, (sec, r, w) in zip(("forward", "backward", "step"), b["phases"][i])]
+                phase_lines.append(f"{v} at {b['params'] / 1e6:.0f}M: " + "; ".join(cells))
+        print("\n".join(phase_lines))
     return 0
 
 

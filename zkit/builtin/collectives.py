@@ -6,7 +6,11 @@ communicator (:func:`choose`): the only place that looks at the backend's name.
   into one launch under :meth:`TorchCommunicator.coalesced`; NCCL averages natively.
 * ``"per_rank"`` (gloo): one broadcast (all-gather) or one reduce (reduce-scatter) per rank, which
   moves the same bytes and measured 2-3.4x (all-gather) and 1.3-2.3x (reduce-scatter) faster at
-  5M-23M elements on 2-4 ranks (``contrib/bench/bench_gloo_collectives.py``); no batching.
+  5M-23M elements on 2-4 ranks (``contrib/bench/bench_gloo_collectives.py``); no batching. From 4
+  ranks up, a reduce-scatter of fewer than :data:`NATIVE_REDUCE_SCATTER_PER_RANK` elements per
+  rank goes out as gloo's own instead: its sequence of reduces, one per rank, then costs more than
+  the one collective (on 4 ranks: 0.66-0.74x the time at 260K-1M elements, 1.38x at 2.1M; on 2
+  ranks the reduces win at every size measured, from 260K).
 
 gloo runs the native collectives too (torch 2.13), so tests force ``"native"`` on CPU and compare.
 """
@@ -23,6 +27,8 @@ _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 KINDS = ("native", "per_rank")
+#: ``per_rank`` on 4 ranks or more: reduce-scatters below this many elements per rank are native
+NATIVE_REDUCE_SCATTER_PER_RANK = 384 * 1024
 
 
 class AllDone:
@@ -47,10 +53,13 @@ class FlatCollectives:
     Attributes:
         kind: ``"native"`` or ``"per_rank"``.
         native_avg: the backend reduces with ``ReduceOp.AVG`` (else: sum, then divide).
+        native_reduce_scatter_below: with ``per_rank``, a reduce-scatter of fewer elements is
+            the backend's own (0: never).
     """
 
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
     native_avg: bool = False
+    native_reduce_scatter_below: int = 0
 
     @property
     def coalesces(self) -> bool:
@@ -70,7 +79,7 @@ class FlatCollectives:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: Any, rank: int, ranks: list[int],
                        group: Any) -> Any:
         """Start the reduce-scatter of ``input`` into ``output``; its work."""
-        if self.kind == "native":
+        if self.kind == "native" or input.numel() < self.native_reduce_scatter_below:
             return _reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
         # The reduces work in place, so chunks of ``input`` that other ranks own end up undefined.
         chunks = input.view(len(ranks), -1)
@@ -79,10 +88,11 @@ class FlatCollectives:
         return AllDone(works, None if own.data_ptr() == output.data_ptr() else (lambda: output.copy_(own)))
 
 
-def choose(backend: str, forced: str | None = None) -> FlatCollectives:
-    """The flat collectives for ``backend`` (``forced``: ``"native"`` or ``"per_rank"`` whatever
-    the backend, for tests and measurements)."""
+def choose(backend: str, forced: str | None = None, world_size: int = 2) -> FlatCollectives:
+    """The flat collectives for ``backend`` on ``world_size`` ranks (``forced``: ``"native"`` or
+    ``"per_rank"`` for every size, whatever the backend, for tests and measurements)."""
     if forced is not None and forced not in KINDS:
         raise ValueError(f"flat collectives {forced!r}: choose one of {', '.join(KINDS)} (or None: by backend)")
     kind = forced or ("per_rank" if backend == "gloo" else "native")
-    return FlatCollectives(kind=kind, native_avg=backend == "nccl")
+    below = NATIVE_REDUCE_SCATTER_PER_RANK * world_size if forced is None and kind == "per_rank" and world_size >= 4 else 0
+    return FlatCollectives(kind=kind, native_avg=backend == "nccl", native_reduce_scatter_below=below)

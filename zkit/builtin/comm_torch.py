@@ -82,7 +82,7 @@ class TorchCommunicator(Communicator):
         self.group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.backend = dist.get_backend(group)
-        self.flat = collectives.choose(self.backend, flat_collectives)
+        self.flat = collectives.choose(self.backend, flat_collectives, self.world_size)
         self._batch: _Batch | None = None
         # Global rank -> rank in this group, for send/recv/broadcast, which take global ranks.
         self._global_ranks = (
