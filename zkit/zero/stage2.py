@@ -26,7 +26,6 @@ class Stage2(ZeroPartitioner):
         #: per unit, this rank's reduced gradient; empty between steps (made at the first reduction
         #: of a batch), and always empty with a master store (NVMe), which takes the shards itself.
         self.grad_shards: list[torch.Tensor] = []
-        self._grad_flat: torch.Tensor | None = None  # the block the shards are views of
         self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
         buckets = 2 if self.ctx.config.zero_optimization.overlap_comm and len(self.units) > 1 else 1
         self._ring = ScratchRing(max(u.padded for u in self.units), buckets)
@@ -70,13 +69,8 @@ class Stage2(ZeroPartitioner):
         batch's first reduction, which writes every shard whole (all units are reduced by the end
         of backward), so they need not be zeroed first."""
         if not self.grad_shards and self.master_store is None:
-            # One allocation for all shards: made and freed together at every step, per-unit
-            # allocations would be scattered through the heap between the step's transient
-            # buffers and keep it from reusing them (its resident size grows); a single block this
-            # large is its own mapping, handed back whole.
             make = self.allocator.empty if overwritten else self.allocator.zeros
-            self._grad_flat = make(sum(u.shard for u in self.units), self.accum_dtype, "grad")
-            self.grad_shards = list(torch.split(self._grad_flat, [u.shard for u in self.units]))
+            self.grad_shards = [make(u.shard, self.accum_dtype, "grad") for u in self.units]
         return self.grad_shards
 
     def _launch(self, unit: int):
@@ -131,9 +125,8 @@ class Stage2(ZeroPartitioner):
         # torch's zero_grad(set_to_none=True) do). Peak memory during a step is unchanged.
         if self.master_store is not None:
             self.master_store.zero_grad()
-        if self.grad_shards:
-            self.allocator.release(self._grad_flat, "grad")
-            self._grad_flat = None
+        for shard in self.grad_shards:
+            self.allocator.release(shard, "grad")
         for segment in self._segments:
             if segment is not None:
                 self.allocator.release(segment, "bucket")
