@@ -42,6 +42,45 @@ def test_released_parameter_use_is_a_clear_error_and_gathered_edits_stick():
     assert results[0]["after_step_mean"] == results[1]["after_step_mean"]
 
 
+def _use_from_another_thread() -> dict:
+    import threading
+
+    import torch
+
+    import zkit
+
+    cfg = er.config(3, "fp32", 1, 1)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, *_ = zkit.initialize(model=er.make_model(), config=cfg)
+    er.train_engine(engine, 1, 1, 1)
+    weight = engine.module.mix.weight
+    out = {"released": weight._zkit_released}
+
+    def use() -> None:
+        try:
+            out["sum"] = float(weight.sum())
+        except RuntimeError as exc:
+            out["error"] = str(exc)
+
+    with engine.partitioner.backward_context(boundary=False):
+        worker = threading.Thread(target=use)
+        worker.start()
+        worker.join()
+    with zkit.zero.GatheredParameters([weight]):
+        out["expected"] = float(weight.sum())
+    engine.close()
+    return out
+
+
+def test_a_parameter_used_on_another_thread_is_gathered():
+    """autograd runs a CUDA backward on a device thread of its own, not on the thread that entered
+    the backward context: the gather callback must be seen there (a per-thread one raised "not
+    gathered here" in backward on every GPU)."""
+    (r,) = run_ranks(_use_from_another_thread, 1, timeout=120)
+    assert r["released"] and "error" not in r, r
+    assert r["sum"] == pytest.approx(r["expected"])
+
+
 def test_model_built_under_init_is_partitioned_and_trains():
     results = run_ranks(er.stage3_built_with_init, 2, timeout=300)
     params, sizes = results[0]

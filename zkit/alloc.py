@@ -72,6 +72,13 @@ class Allocator(abc.ABC):
         Default: ``None``, the partitioner steps (or fuses the step with the unscaling)."""
         return None
 
+    def grads_beside_master(self) -> bool:
+        """Whether ZeRO stages 2-3 keep this rank's reduced gradient shards beside the master, in
+        fp32 ``"master_grad"`` buffers, instead of ``"grad"`` buffers on the device: each unit's
+        reduced chunk is copied out of its bucket as it completes, so no device memory holds the
+        gradients (ZeRO-Offload). Default: when the two purposes are placed apart."""
+        return self.place("master_grad") != self.place("grad")
+
     def pin(self, purpose: str) -> bool:
         """Whether host buffers of ``purpose`` should be page-locked (only meaningful with CUDA)."""
         return False

@@ -102,6 +102,13 @@ class Copy:
         """Wait on the host until the copy is done (its source may then be overwritten)."""
         if self.event is not None:
             self.event.synchronize()
+            self.retire()
+
+    def retire(self) -> None:
+        """The copy is known to be done: let go of its tensors. A unit keeps its last copy, and a
+        source held past its copy (a gathered buffer written back to a host shard) would keep a
+        whole model's buffers on the device."""
+        self.dst = self.src = self.event = None
 
 
 #: what a copy that needed no stream returns
@@ -174,5 +181,5 @@ class CopyQueue:
 
     def _retire(self) -> None:
         """Forget copies already done (their tensors may be freed)."""
-        while self._in_flight and self._in_flight[0].event.query():
-            self._in_flight.popleft()
+        while self._in_flight and (self._in_flight[0].event is None or self._in_flight[0].event.query()):
+            self._in_flight.popleft().retire()

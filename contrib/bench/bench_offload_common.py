@@ -90,3 +90,19 @@ class CappedRun:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def print_size_table(rows: list, columns: list[tuple[str, Any]]) -> None:
+    """The scale benchmarks' table: per ``(contestant, layers, best attempt or None)`` the depth,
+    parameters and size against ``torch``'s, then one cell per ``(header, cell(attempt))``."""
+    base = next((b["params"] for v, _, b in rows if v == "torch" and b), None)
+    headers = ["contestant", "layers", "params", "x torch", *(h for h, _ in columns)]
+    print("| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for v, layers, b in rows:
+        if b is None:
+            print(f"| {v} | - | none fits |" + " |" * (len(headers) - 3))
+            continue
+        ratio = f"{b['params'] / base:.2f}" if base else "-"
+        cells = [v, str(layers), f"{b['params'] / 1e6:.0f}M", ratio, *(cell(b) for _, cell in columns)]
+        print("| " + " | ".join(cells) + " |")

@@ -281,18 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         layers, best, _ = search(v, args, log)
         rows.append((v, layers, best))
-    base = next((b["params"] for v, _, b in rows if v == "torch" and b), None)
+    from bench_offload_common import print_size_table
+
     print(f"\nLargest GPT (d_model {args.d_model}) training {STEPS} steps under a {args.cap_gib} GiB cap; "
           f"load average {os.getloadavg()[0]:.1f}")
-    print("| contestant | layers | params | x torch | cgroup peak GiB | peak RSS GiB | step s |")
-    print("|---|---|---|---|---|---|---|")
-    for v, layers, b in rows:
-        if b is None:
-            print(f"| {v} | - | none fits | | | | |")
-            continue
-        ratio = f"{b['params'] / base:.2f}" if base else "-"
-        print(f"| {v} | {layers} | {b['params'] / 1e6:.0f}M | {ratio} | {b['cgroup_peak'] / 2**30:.2f} | "
-              f"{b['peak_rss'] / 2**30:.2f} | {sorted(b['times'])[1]:.2f} |")
+    print_size_table(rows, [("cgroup peak GiB", lambda b: f"{b['cgroup_peak'] / 2**30:.2f}"),
+                            ("peak RSS GiB", lambda b: f"{b['peak_rss'] / 2**30:.2f}"),
+                            ("step s", lambda b: f"{sorted(b['times'])[1]:.2f}")])
     if disk is not None:
         print(f"\nDisk traffic per step (median step; /proc/self/io) against the disk bound (bytes read / "
               f"{disk[1]:.2f} GB/s + bytes written / {disk[0]:.2f} GB/s, the swapper's bandwidth measured in this run):")

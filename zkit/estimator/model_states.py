@@ -16,7 +16,9 @@ by purpose, so it equals ``engine.memory()``:
   (padding has no optimizer parameter).
 
 Offload (zkit-offload's ``host`` / ``nvme`` allocators) moves ``master`` and ``optim_state`` to
-the host and adds the fp32 gradient copy the host optimizer reads. ``nvme`` at stage 1 puts the
+the host and adds the fp32 gradient copy the host optimizer reads; at stages 2-3 the reduced chunks
+are copied straight into that copy, so no gradient shard stays on the device (with gradient
+accumulation the host also holds a staging copy of the same size while a batch runs). ``nvme`` at stage 1 puts the
 state on disk with ``buffer_count`` sub-group buffer sets on the host; at stages 2-3 the fp32
 master and its gradients go to disk too (laid out in sub-groups by :func:`zkit.zero.flat.pack_aligned`,
 units on 4 KiB boundaries), no gradient shard stays in memory, and the host holds two gradient
@@ -209,6 +211,10 @@ def model_state_bytes(
         states_side["master"] = shard * 4
     if offloaded and accelerator:
         host["master_grad"] = shard * 4  # the fp32 gradient the host optimizer steps with
+        if stage >= 2:
+            # stages 2-3 copy each reduced chunk straight into it (Allocator.grads_beside_master):
+            # no gradient shard on the device
+            del device["grad"]
     state = owned * optimizer_state_bytes
     if offload == "nvme":  # stage 1: only the state on disk
         nvme["optim_state"] = state

@@ -101,10 +101,10 @@ class Init:
         if int(config.zero_optimization.stage) != 3:
             return
         _, records = configure(pm, Stack(), config)
-        allocator = records["allocator"].factory(self.device, config)
-        self.store = allocator.param_shard_store(self.dtype or torch.float32)
-        if self.store is not None:
-            self.allocator = allocator
+        # The config's allocator places the shards from the start: with ``offload_param`` on the
+        # host, a model larger than the device is built without ever being on it whole.
+        self.allocator = records["allocator"].factory(self.device, config)
+        self.store = self.allocator.param_shard_store(self.dtype or torch.float32)
 
     def _gather(self, su: ShardedUnit) -> None:
         su.wait()

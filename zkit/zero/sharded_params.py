@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import threading
 from typing import Any, Callable, Iterable
 
 import torch
@@ -29,7 +28,11 @@ from zkit.copies import DONE, Copy
 from zkit.zero.flat import Unit
 
 
-class _Active(threading.local):
+class _Active:
+    """The gather callbacks of the stage-3 context in force. Process-wide, not per thread:
+    autograd runs a CUDA backward on its own device thread, not on the thread that entered
+    ``backward_context``, and that thread must still gather what it uses."""
+
     #: callback(unit) used to gather a released parameter on use; None outside forward/backward.
     fetch: Callable[["ShardedUnit"], None] | None = None
     #: callback(unit, func) after a torch function ran on a parameter ``fetch`` gathered
@@ -303,6 +306,13 @@ class ShardedUnit:
         device = self.allocator.device
         self.full = torch.empty(self.unit.padded, dtype=self.shard_dtype, device=device)
         self.allocator.track("param", self.full.numel() * self.full.element_size())
+        if self.comm.world_size == 1:
+            # One rank: the gathered buffer is the shard. A host shard is copied straight in on the
+            # side stream and compute waits for it only at use (``wait``), so the copies prefetched
+            # ahead overlap the compute before them instead of holding it up as they are issued.
+            self.copy.wait()
+            self.copy = self.handle = self.allocator.copies.copy(self.full, self.local_shard())
+            return
         self._gather_src = self.device_shard(device)
         self.handle = self.comm.all_gather(self.full, self._gather_src, async_op=True)
 

@@ -8,6 +8,12 @@ backward when ``overlap_comm`` is on (scratch for two of the largest unit, share
 fit: :class:`~zkit.zero.buckets.ScratchRing`). Between steps neither the shards nor
 the buckets exist: :meth:`zero_grad` hands them back. Per-rank model states: 2Ψ + 14Ψ/N;
 communication: the same 2Ψ as data parallelism (reduce-scatter + all-gather).
+
+With the optimizer offloaded (:meth:`~zkit.alloc.Allocator.grads_beside_master`), the shards are
+fp32 ``"master_grad"`` buffers in host memory instead: each reduced chunk is copied out of its
+bucket on the compute stream as it completes (ZeRO-Offload), so the device holds no gradient
+shards at all, only the buckets; later micro-steps land in a host staging shard and are added at
+the end of backward.
 """
 from __future__ import annotations
 
@@ -27,6 +33,10 @@ class Stage2(ZeroPartitioner):
         #: of a batch), and always empty with a master store (NVMe), which takes the shards itself.
         self.grad_shards: list[torch.Tensor] = []
         self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
+        #: the shards are fp32 host buffers beside the master (optimizer offload), filled by copies
+        #: out of the buckets; ``_staged`` holds a later micro-step's chunks until backward ends
+        self.grads_beside_master = self.master_store is None and self.allocator.grads_beside_master()
+        self._staged: list[torch.Tensor] = []
         buckets = 2 if self.ctx.config.zero_optimization.overlap_comm and len(self.units) > 1 else 1
         self._ring = ScratchRing(max(u.padded for u in self.units), buckets)
         #: the ring's segments (a bucket of the largest unit each), made by a batch's reductions as
@@ -56,6 +66,16 @@ class Stage2(ZeroPartitioner):
 
     def after_backward(self, boundary: bool) -> None:
         self.bucketer.flush()
+        if self.grads_beside_master:
+            # the copies out of the buckets were queued on the compute stream: the host reads the
+            # shards (norm, step) and adds the staged micro-step only once they have landed
+            if self.ctx.device.type != "cpu":
+                torch.accelerator.synchronize(self.ctx.device)
+            for shard, staged in zip(self.grad_shards, self._staged):
+                shard.add_(staged)
+            for staged in self._staged:
+                self.allocator.release(staged, "master_grad")
+            self._staged = []
         self.accumulated = True
 
     def _take_bucket(self, numel: int) -> torch.Tensor:
@@ -70,13 +90,18 @@ class Stage2(ZeroPartitioner):
         of backward), so they need not be zeroed first."""
         if not self.grad_shards and self.master_store is None:
             make = self.allocator.empty if overwritten else self.allocator.zeros
-            self.grad_shards = [make(u.shard, self.accum_dtype, "grad") for u in self.units]
+            if self.grads_beside_master:
+                self.grad_shards = [make(u.shard, torch.float32, "master_grad") for u in self.units]
+            else:
+                self.grad_shards = [make(u.shard, self.accum_dtype, "grad") for u in self.units]
         return self.grad_shards
 
     def _launch(self, unit: int):
         u = self.units[unit]
         # the first micro-step reduces straight into the shards, unless through a wider dtype
-        self._ensure_grad_shards(overwritten=not self.accumulated and self.accum_dtype == self.comm_dtype)
+        # (beside the master, the first micro-step's copies write the shards whole)
+        self._ensure_grad_shards(overwritten=not self.accumulated and (
+            self.accum_dtype == self.comm_dtype or self.grads_beside_master))
         flat = self._take_bucket(u.padded)
         for slot, p in zip(u.slots, self.unit_params[unit]):
             view = flat[slot.offset : slot.offset + slot.numel]
@@ -88,7 +113,8 @@ class Stage2(ZeroPartitioner):
         flat[u.numel :].zero_()
         if self.pre_scale != 1.0:
             flat[: u.numel].mul_(self.pre_scale)
-        if self.accumulated or self.master_store is not None or self.accum_dtype != self.comm_dtype:
+        if (self.accumulated or self.master_store is not None or self.accum_dtype != self.comm_dtype
+                or self.grads_beside_master):
             # Later micro-steps reduce in place into the bucket's own chunk (gloo and NCCL allow
             # an output that is this rank's chunk of the input), then add it to the shard: no
             # landing area beyond the bucket. A master store takes every micro-step's chunk; a
@@ -110,6 +136,14 @@ class Stage2(ZeroPartitioner):
             target.mul_(self.post_scale)
         if self.master_store is not None:
             self.master_store.add_grad(unit, target)
+        elif self.grads_beside_master:
+            # on the compute stream, so the bucket is not written again before the copy has read it
+            if not self.accumulated:
+                self.grad_shards[unit].copy_(target, non_blocking=True)
+            else:
+                if not self._staged:
+                    self._staged = [self.allocator.empty(u.shard, torch.float32, "master_grad") for u in self.units]
+                self._staged[unit].copy_(target, non_blocking=True)
         elif target is not self.grad_shards[unit]:
             self.grad_shards[unit].add_(target)
         self._ring.give_back()
@@ -126,7 +160,7 @@ class Stage2(ZeroPartitioner):
         if self.master_store is not None:
             self.master_store.zero_grad()
         for shard in self.grad_shards:
-            self.allocator.release(shard, "grad")
+            self.allocator.release(shard, "master_grad" if self.grads_beside_master else "grad")
         for segment in self._segments:
             if segment is not None:
                 self.allocator.release(segment, "bucket")

@@ -238,10 +238,11 @@ def built_into_nvme(nvme_root: str, steps: int = 3) -> dict:
         model = make_model()
     units = {id(p._zkit_unit): p._zkit_unit for p in model.parameters()}.values()
     in_memory_at_build = sorted(su.unit.shard for su in units if su.shard is not None)
+    built_by = sorted({type(su.allocator).__name__ for su in units})
     engine, *_ = zkit.initialize(model=model, config=cfg)
     losses = train(engine, steps, 2)
     out = {"base": base, "losses": losses, "diff": max_diff(params_of(engine), base_params),
-           "in_memory_at_build": in_memory_at_build,
+           "in_memory_at_build": in_memory_at_build, "built_by": built_by,
            "stored": sorted(su.module_name for su in engine.partitioner.sharded if su.store is not None)}
     engine.close()
     return out
@@ -371,12 +372,66 @@ def deferred_copy_runs(cases: list[tuple], nvme_root: str, steps: int = 2) -> di
                          **extra)
             with installed() if deferred else contextlib.nullcontext([]) as made:
                 engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+                ahead: list[int] = []  # side-stream copies not yet run as each module computes
+                hooks = [m.register_forward_hook(lambda *_: ahead.append(sum(s.outstanding for s in made)))
+                         for m in engine.module.modules()]
                 losses = train(engine, steps, 2)
+                for h in hooks:
+                    h.remove()
                 bound = engine.allocator.copies.max_in_flight
                 params = params_of(engine)
                 engine.close()
             runs[deferred] = {"params": params, "losses": losses,
-                              "copies": sum(s.issued for s in made),
+                              "copies": sum(s.issued for s in made), "most_ahead": max(ahead, default=0),
                               "most_outstanding_ok": all(s.outstanding <= bound for s in made)}
         out[case] = runs
+    return out
+
+
+def grads_beside_master_matrix(cases: list[tuple[int, str, int]], steps: int = 3) -> dict:
+    """CPU offload per (stage, dtype, gradient accumulation steps), run twice: as this machine
+    places it (master and device are both the CPU, so the gradient shards are ``"grad"``
+    buffers), and with the allocator answering ``grads_beside_master()`` as it does when a GPU
+    is the device (the reduced chunks copied out of the buckets into fp32 ``"master_grad"``
+    shards). Final parameters, losses and the allocator's peak bytes per purpose."""
+    from zkit_offload.allocators import HostAllocator
+
+    world = torch.distributed.get_world_size()
+    out = {}
+    for stage, dtype, gas in cases:
+        for beside in (False, True):
+            HostAllocator.grads_beside_master = (lambda self: True) if beside else (lambda self: False)
+            try:
+                cfg = config(stage, dtype, world, "cpu", gradient_accumulation_steps=gas)
+                engine, *_ = zkit.initialize(model=make_model(), config=cfg)
+                losses = train(engine, steps * gas, 2)
+                out[(stage, dtype, gas, beside)] = {
+                    "params": params_of(engine), "losses": losses,
+                    "beside": engine.partitioner.grads_beside_master,
+                    "peak": {k: v["peak"] for k, v in engine.allocator.stats().items()}}
+                engine.close()
+            finally:
+                del HostAllocator.grads_beside_master
+    return out
+
+
+def built_with_host_params(steps: int = 3) -> dict:
+    """A model built under ``zkit.zero.Init`` with ``offload_param: cpu``: the allocator that
+    placed its shards, and training against the same model built whole without offload."""
+    from zkit.zero import Init
+
+    world = torch.distributed.get_world_size()
+    base_engine, *_ = zkit.initialize(model=make_model(), config=config(3, "fp32", world))
+    base = train(base_engine, steps, 2)
+    base_params = params_of(base_engine)
+    base_engine.close()
+    cfg = config(3, "fp32", world, "cpu", param="cpu")
+    with Init(config=cfg):
+        model = make_model()
+    units = {id(p._zkit_unit): p._zkit_unit for p in model.parameters()}.values()
+    built_by = sorted({type(su.allocator).__name__ for su in units})
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    losses = train(engine, steps, 2)
+    out = {"base": base, "losses": losses, "diff": max_diff(params_of(engine), base_params), "built_by": built_by}
+    engine.close()
     return out

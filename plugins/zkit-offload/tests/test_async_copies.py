@@ -34,3 +34,25 @@ def test_deferred_copies_train_exactly_like_plain_ones(results, case):
         for a, b in zip(plain["params"], deferred["params"]):
             assert torch.equal(a, b)
         assert plain["losses"] == deferred["losses"]
+
+
+ONE_RANK = [(3, "bf16", "cpu", "cpu"), (3, "fp32", "nvme", "nvme")]
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deferred1")
+    return run_ranks(orr.deferred_copy_runs, 1, args=(ONE_RANK, str(root)), timeout=300)[0]
+
+
+@pytest.mark.parametrize("case", ONE_RANK, ids=lambda c: "-".join(map(str, c)))
+def test_one_rank_copies_host_shards_into_the_gathered_buffer_and_waits_at_use(one_rank, case):
+    """One rank: a host shard is copied straight into its gathered buffer, and compute waits for
+    that copy only when the unit is used, so the copies prefetched ahead are still in flight while
+    the modules before them compute (what lets them overlap on a GPU); training is unchanged."""
+    plain, deferred = one_rank[case][False], one_rank[case][True]
+    assert deferred["copies"] > 0 and deferred["most_outstanding_ok"]
+    for a, b in zip(plain["params"], deferred["params"]):
+        assert torch.equal(a, b)
+    assert plain["losses"] == deferred["losses"]
+    assert deferred["most_ahead"] > 0

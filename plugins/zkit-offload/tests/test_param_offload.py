@@ -113,7 +113,17 @@ def test_model_built_under_init_goes_straight_to_nvme(tmp_path):
     as each module is built (only the ``max_in_cpu`` one stays), and training matches."""
     for out in run_ranks(orr.built_into_nvme, 2, args=(str(tmp_path),), timeout=180):
         assert out["in_memory_at_build"] == [orr.PARAM_NVME["max_in_cpu"]]  # the LayerNorm's shard
+        assert out["built_by"] == ["NVMeAllocator"]  # the config's allocator placed the shards
         assert out["stored"] == ["embed", "mix"]
         assert out["diff"] < orr.TOLERANCE["fp32"]
         assert out["losses"] == pytest.approx(out["base"], rel=orr.TOLERANCE["fp32"])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_model_built_under_init_with_host_parameters_uses_the_configs_allocator():
+    """``offload_param: cpu``: Init places each shard with the config's allocator (host memory
+    next to a GPU), not on the training device, and training matches."""
+    for out in run_ranks(orr.built_with_host_params, 2, timeout=180):
+        assert out["built_by"] == ["HostAllocator"]
+        assert out["diff"] < orr.TOLERANCE["fp32"]
+        assert out["losses"] == pytest.approx(out["base"], rel=orr.TOLERANCE["fp32"])
