@@ -53,6 +53,17 @@ def test_glibc_is_left_alone_while_memory_is_ample_and_when_the_user_chose(choic
 
 
 @linux_only
+def test_an_offload_that_needs_it_returns_freed_memory_unless_the_user_chose_keep():
+    """zkit-offload's NVMe allocator asks with ``because``: the threshold is fixed under ``auto``
+    whatever the model, and ``keep`` still wins."""
+    ask = 'applied = hm.return_freed_memory(because="NVMe offload")'
+    applied, returned = _rss_after_churn({}, ask)
+    assert applied
+    assert returned >= 48 * (4 << 20), f"only {returned >> 20} MiB of 256 MiB freed came back"
+    assert not _rss_after_churn({"ZKIT_HOST_MALLOC": "keep"}, ask)[0]
+
+
+@linux_only
 def test_auto_returns_freed_memory_once_the_model_states_take_a_third_of_the_rank_memory():
     limit = "hm.rank_memory_limit(1)"
     below = _rss_after_churn({}, f"applied = hm.fit_to_memory(int({limit} * hm.TIGHT_FRACTION) - 1)")

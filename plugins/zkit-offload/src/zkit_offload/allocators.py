@@ -24,7 +24,7 @@ from zkit.alloc import Allocator
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.cpu_optimizer import FusedCPUOptimizer
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from zkit_offload.host_memory import serve_large_blocks_from_mmap
+from zkit.host_memory import return_freed_memory
 from zkit_offload.param_store import NVMeParamStore
 from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups, subgroup_key
 from zkit_offload.swap import NVMeSwapper, aligned_empty
@@ -86,7 +86,7 @@ class NVMeAllocator(HostAllocator):
             raise ValueError("the 'nvme' allocator needs zero_optimization.offload_optimizer.device or "
                              "zero_optimization.offload_param.device 'nvme' (with an nvme_path)")
         self.aio = aio or _section(config, AioConfig.SECTION, AioConfig)
-        serve_large_blocks_from_mmap()  # freed shards and buffers go back to the OS at once
+        return_freed_memory(because="NVMe offload")  # freed shards and buffers go back to the OS at once
         self.swapper: NVMeSwapper | None = None
         self.param_swapper: NVMeSwapper | None = None
         if self.optimizer_config.device == "nvme":

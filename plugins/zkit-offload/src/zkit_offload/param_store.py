@@ -23,7 +23,7 @@ from typing import Any, Sequence
 
 import torch
 
-from zkit_offload.host_memory import trim
+from zkit.host_memory import trim
 from zkit_offload.swap import NVMeSwapper, SwapHandle, aligned_empty
 
 

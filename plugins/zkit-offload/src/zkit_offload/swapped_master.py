@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import torch
 
 from zkit.zero.flat import pack_aligned
-from zkit_offload.host_memory import trim
+from zkit.host_memory import trim
 from zkit_offload.pipeline import subgroup_key
 from zkit_offload.swap import ALIGN, SwapHandle, _round_up, aligned_empty
 from zkit_offload.swapped_state import SubGroupPlan
