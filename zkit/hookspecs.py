@@ -112,7 +112,10 @@ def zkit_register_allocators() -> Iterable[AllocatorRecord]:
     a ``MasterStore`` keeping the fp32 master and its gradients elsewhere), ``param_shard_store(dtype)``
     (stage 3: a ``ParamShardStore`` keeping parameter shards elsewhere, read ahead of their gathers)
     and ``optimizer_stepper()`` (a function run in place of ``optimizer.step()``). zkit-offload's
-    ``nvme`` allocator answers all three."""
+    ``nvme`` allocator answers all three. ``grads_beside_master()`` (default: whether
+    ``"master_grad"`` and ``"grad"`` are placed apart) makes stages 2-3 copy each reduced gradient
+    chunk into fp32 ``"master_grad"`` shards beside the master instead of keeping ``"grad"`` shards
+    (ZeRO-Offload: no gradient memory on the device)."""
 
 
 @hookspec
