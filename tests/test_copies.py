@@ -109,3 +109,29 @@ def test_to_makes_the_destination_and_converts():
 def test_a_bound_below_one_is_refused():
     with pytest.raises(ValueError, match="max_in_flight must be at least 1, got 0"):
         CopyQueue("cpu", max_in_flight=0)
+
+
+def test_a_copy_known_done_lets_go_of_its_tensors():
+    """A unit keeps its last copy: were the copy to keep its source, a gathered buffer written back
+    to a host shard would stay alive with it (the whole model, during a build under Init)."""
+    import weakref
+
+    streams = FakeStreams()
+    queue = CopyQueue("cpu", max_in_flight=8, streams=streams)
+    src = torch.ones(4)
+    seen = weakref.ref(src)
+    kept = queue.copy(torch.zeros(4), src)  # the caller keeps the copy, as a unit does
+    del src
+    assert seen() is not None  # not run yet: the side stream still reads it
+    kept.synchronize()
+    assert seen() is None and kept.src is None and kept.dst is None
+    kept.wait()  # a wait after the copy is done is a no-op
+    kept.synchronize()
+    # retired by the queue when it sees the copy done, without the caller waiting
+    src = torch.ones(4)
+    seen = weakref.ref(src)
+    other = queue.copy(torch.zeros(4), src)
+    del src
+    other.event.synchronize()  # done, but nobody told the copy
+    queue.copy(torch.zeros(1), torch.ones(1))  # the next copy retires the finished ones
+    assert seen() is None and other.src is None
