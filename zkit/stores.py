@@ -60,6 +60,9 @@ class ParamShardStore(Protocol):
     def prefetch(self, su: Any) -> None:
         """Start reading ``su``'s shard (best effort)."""
 
+    def ready(self, su: Any) -> bool:
+        """Whether ``su``'s shard is in host memory now: :meth:`get` would not wait for a read."""
+
     def get(self, su: Any) -> torch.Tensor:
         """``su``'s shard in host memory, held until :meth:`release`."""
 

@@ -213,6 +213,52 @@ class GatheredElements:
         self.numel = 0
 
 
+_storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+
+
+class SpareBuffers:
+    """Host buffers of released units, kept for the next gather of the same size and dtype.
+
+    Where glibc's mmap threshold is fixed (:mod:`zkit.host_memory`: memory is tight, or an NVMe
+    offload runs), every freed gathered buffer is unmapped, and the next gather of that size maps
+    fresh memory and takes a page fault per 4 KiB page as it writes it. A stage-3 step gathers
+    the same few unit sizes over and over, so keeping a few freed buffers saves those faults
+    (``contrib/bench/bench_offload_scale.py``: a third of the forward time with parameters on
+    NVMe). At most ``limit_bytes`` are kept; :meth:`clear` hands them back (stage 3 calls it when
+    backward ends, before the optimizer step wants the memory). Device buffers are never kept:
+    torch's caching allocator already reuses them. A buffer still referenced elsewhere (a view
+    that autograd saved) is not kept either: the next gather would overwrite it."""
+
+    __slots__ = ("limit", "kept", "_free")
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit = limit_bytes
+        self.kept = 0
+        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        spare = self._free.get((numel, dtype)) if device.type == "cpu" else None
+        if spare:
+            t = spare.pop()
+            self.kept -= t.numel() * t.element_size()
+            return t
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if t.device.type != "cpu" or _storage_use_count is None or self.kept + nbytes > self.limit:
+            return
+        # 2: the tensor's own reference and the storage object asked for here; more is a view
+        if _storage_use_count(t.untyped_storage()._cdata) > 2:
+            return
+        self._free.setdefault((t.numel(), t.dtype), []).append(t)
+        self.kept += nbytes
+
+    def clear(self) -> None:
+        self._free.clear()
+        self.kept = 0
+
+
 class ShardedUnit:
     """One module's parameters as a flat buffer of which this rank keeps shard ``rank``."""
 
@@ -229,11 +275,16 @@ class ShardedUnit:
         #: the partitioner's count of gathered elements, kept by this unit when it is released
         #: between uses (not persistent); None: not counted
         self.gathered_count: GatheredElements | None = None
+        #: where this unit's gathered buffer comes from and goes back to (set by the stage-3
+        #: partitioner for released units); None: a new buffer each gather
+        self.spares: SpareBuffers | None = None
         #: the fp32 master of this shard when it is a separate copy (set by the stage-3 partitioner).
         self.master: torch.Tensor | None = None
         #: where the shard lives when it is not ``shard`` (an offload allocator's store); None: ``shard``.
         self.store: Any = None
         self._gather_src: torch.Tensor | None = None
+        #: the gather in flight holds a buffer of ``store`` (given back by ``_done_with_store``)
+        self._holds_store = False
         #: the last copy into the shard or out of it for a gather (``allocator.copies``)
         self.copy: Copy = DONE
         for p in params:
@@ -284,6 +335,10 @@ class ShardedUnit:
         its read; the store keeps it until the gather that uses it is done)."""
         return self.shard if self.store is None else self.store.get(self)
 
+    def shard_ready(self) -> bool:
+        """Whether this rank's shard is in memory now (a stored shard's read has finished)."""
+        return self.store is None or self.store.ready(self)
+
     def prefetch_shard(self) -> None:
         """Start reading a stored shard ahead of its gather (nothing to do for one in memory)."""
         if self.store is not None and self.full is None:
@@ -304,7 +359,10 @@ class ShardedUnit:
             return
         # The gathered parameters are computed with: on the training device, wherever shards live.
         device = self.allocator.device
-        self.full = torch.empty(self.unit.padded, dtype=self.shard_dtype, device=device)
+        if self.spares is not None:
+            self.full = self.spares.take(self.unit.padded, self.shard_dtype, device)
+        else:
+            self.full = torch.empty(self.unit.padded, dtype=self.shard_dtype, device=device)
         self.allocator.track("param", self.full.numel() * self.full.element_size())
         if self.comm.world_size == 1:
             # One rank: the gathered buffer is the shard. A host shard is copied straight in on the
@@ -312,8 +370,14 @@ class ShardedUnit:
             # ahead overlap the compute before them instead of holding it up as they are issued.
             self.copy.wait()
             self.copy = self.handle = self.allocator.copies.copy(self.full, self.local_shard())
+            self._holds_store = self.store is not None
+            if self.copy is DONE:
+                # Copied on this thread (host and device are one memory): the store's buffer is
+                # free for the next read-ahead now, not only once the unit is used.
+                self._done_with_store()
             return
         self._gather_src = self.device_shard(device)
+        self._holds_store = self.store is not None
         self.handle = self.comm.all_gather(self.full, self._gather_src, async_op=True)
 
     def device_shard(self, device: torch.device) -> torch.Tensor:
@@ -339,7 +403,12 @@ class ShardedUnit:
         self.handle.wait()
         self.handle = None
         self._gather_src = None
-        if self.store is not None:
+        self._done_with_store()
+
+    def _done_with_store(self) -> None:
+        """Hand the store's host buffer back once the gather's copy out of it is done."""
+        if self._holds_store:
+            self._holds_store = False
             self.copy.synchronize()  # the store reuses the host buffer the copy read
             self.store.release(self)
 
@@ -358,7 +427,9 @@ class ShardedUnit:
             p.data = _placeholder(p)
             p._zkit_released = True
         self.allocator.release(self.full, "param")
-        self.full = None
+        full, self.full = self.full, None
+        if self.spares is not None:
+            self.spares.give(full)
 
     def write_back(self, rank: int) -> None:
         """Copy this rank's range of the (gathered, possibly edited) full buffer into its shard."""

@@ -26,7 +26,7 @@ import torch
 from zkit import diagnostics
 from zkit.zero.flat import Unit, persistent_units, plan_units
 from zkit.zero.reuse import kept_after_use
-from zkit.zero.sharded_params import ACTIVE, GatheredElements, ShardedUnit, unpack_saved
+from zkit.zero.sharded_params import ACTIVE, GatheredElements, ShardedUnit, SpareBuffers, unpack_saved
 from zkit.zero.stage2 import Stage2
 
 
@@ -88,6 +88,11 @@ class Stage3(Stage2):
                 su.release()
                 su.gathered_count = self._gathered
             self.sharded.append(su)
+        # Two of the largest released unit: a step cycles through a few unit sizes.
+        released = [su.unit.padded * su.shard_dtype.itemsize for su in self.sharded if not su.persistent]
+        self._spares = SpareBuffers(2 * max(released, default=0))
+        for su in self.sharded:
+            su.spares = None if su.persistent else self._spares
         self._phase = "idle"
         self.prefetch_numel = int(zc.stage3_prefetch_bucket_size)
         self.max_live = int(zc.stage3_max_live_parameters)
@@ -161,6 +166,10 @@ class Stage3(Stage2):
         except ValueError:
             return
         budget, live = self.prefetch_numel, self._live()
+        # With one rank a "gather" is a copy, no collective other ranks must match: a stored shard
+        # still being read is left for a later call (or its use) instead of waiting on the disk
+        # here, before the compute this read-ahead is meant to run beside.
+        only_read = self.param_store is not None and self.comm.world_size == 1
         # One batch of gathers where the backend batches them; not with a shard store, which may
         # wait for a gather in flight to free a buffer (a batch is waited for only after it).
         with self.comm.coalesced() if self.param_store is None else contextlib.nullcontext():
@@ -173,15 +182,20 @@ class Stage3(Stage2):
                 budget -= su.unit.padded
                 if su.full is not None:
                     continue
-                if live + su.unit.padded > self.max_live:
+                if live + su.unit.padded > self.max_live or (only_read and not su.shard_ready()):
                     break
                 su.fetch()
                 live += su.unit.padded
         if self.param_store is not None:
             # Read the shards of the units after those ahead of their gathers (NVMe latency).
-            ahead = [self.sharded[i] for i in order[self._cursor + 1 :] if self.sharded[i].full is None]
-            for su in ahead[: self.param_store.lookahead]:
-                su.prefetch_shard()
+            wanted = self.param_store.lookahead
+            for nxt in order[self._cursor + 1 :]:
+                if wanted <= 0:
+                    break
+                su = self.sharded[nxt]
+                if su.full is None:
+                    su.prefetch_shard()
+                    wanted -= 1
 
     def _after_module_forward(self, index: int):
         def hook(module, args, output):
@@ -271,6 +285,7 @@ class Stage3(Stage2):
     def after_backward(self, boundary: bool) -> None:
         super().after_backward(boundary)
         self._release_all()
+        self._spares.clear()  # the optimizer step may want the memory
 
     def _launch(self, unit: int):
         handle = super()._launch(unit)  # gradients are in the bucket now

@@ -40,6 +40,19 @@ def test_param_offload_matches_stage3_without_offload(results, case):
     assert _max_diff(results[0][case]["params"], results[1][case]["params"]) == 0
 
 
+def test_one_rank_nvme_params_match_stage3_without_offload(tmp_path):
+    """With one rank a gather is a copy: stage 3 gathers ahead only shards whose read from NVMe
+    has finished, and hands each store buffer back as soon as it is copied. Same training."""
+    cases = [("fp32", "none", "none"), ("fp32", "none", "nvme"), ("fp32", "nvme", "nvme")]
+    (rank,) = run_ranks(orr.param_offload_matrix, 1, args=(cases, str(tmp_path)), timeout=300)
+    base = rank[cases[0]]
+    for case in cases[1:]:
+        assert {"mix", "embed"} <= set(rank[case]["stored_units"])  # read from NVMe at every gather
+        assert _max_diff(rank[case]["params"], base["params"]) < TOLERANCE["fp32"]
+        assert rank[case]["losses"] == pytest.approx(base["losses"], rel=TOLERANCE["fp32"])
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_nvme_params_swap_all_but_max_in_cpu(results, nvme_root, dtype):
     for rank in results:

@@ -116,3 +116,16 @@ def test_put_while_gathering_is_an_error(tmp_path):
         assert str(info.value) == "the shard of stage-3 module 'm0' was changed while a gather was reading it"
     finally:
         swapper.close()
+
+
+def test_ready_says_whether_a_get_would_wait_for_the_disk(tmp_path):
+    store, units, swapper, _ = _store(tmp_path, [3, 3], buffer_count=2)
+    try:
+        assert not store.ready(units[0])  # in its swap file only
+        store.prefetch(units[0])
+        store.flush()  # the read has finished
+        assert store.ready(units[0]) and not store.ready(units[1])
+        assert torch.equal(store.get(units[0]), torch.arange(3.0))
+        assert store.ready(units[0])
+    finally:
+        swapper.close()

@@ -8,6 +8,8 @@ in aligned host buffers of ``min(buffer_size, largest shard)`` elements:
 
 * :meth:`prefetch` starts reading a shard into a free buffer (stage 3 calls it for the units
   after the ones it is gathering, in its recorded module order);
+* :meth:`ready` says whether a shard's read has finished (stage 3 with one rank gathers ahead only
+  shards already read, so it never waits on the disk before it must);
 * :meth:`get` returns the shard in memory for a gather (waiting for its read) and holds the buffer
   until :meth:`release` (the gather is done);
 * :meth:`put` writes new values (after the optimizer step) through a buffer, asynchronously.
@@ -168,6 +170,11 @@ class NVMeParamStore:
             buf = self._claim(min(free, key=lambda b: (b.unit is not None, b.tick)), su)
             buf.prefetched = True
         buf.tick = next(self._clock)
+
+    def ready(self, su: Any) -> bool:
+        """Whether ``su``'s shard is in a buffer with its read finished (:meth:`get` would not wait)."""
+        buf = self._where.get(id(su))
+        return buf is not None and (buf.read is None or buf.read.done())
 
     def get(self, su: Any) -> torch.Tensor:
         """``su``'s shard in a host buffer, held until :meth:`release`."""
