@@ -190,16 +190,7 @@ class _ZeroLinear(torch.autograd.Function):
         with torch._C.DisableTorchFunctionSubclass():
             grad_input = grad_out @ weight if ctx.needs_input_grad[0] else None
             flat_out = grad_out.reshape(-1, grad_out.shape[-1])
-            flat_in = input.reshape(-1, input.shape[-1])
-            grad_weight = None
-            if ctx.needs_input_grad[1]:
-                spares = weight._zkit_unit.spares
-                if spares is not None and flat_out.dtype == flat_in.dtype == weight.dtype:
-                    # into a host buffer of an earlier gradient (stage 3 gives it back once reduced)
-                    out = spares.take(weight.numel(), weight.dtype, weight.device).view(weight.shape)
-                    grad_weight = torch.mm(flat_out.t(), flat_in, out=out)
-                else:
-                    grad_weight = flat_out.t() @ flat_in
+            grad_weight = flat_out.t() @ input.reshape(-1, input.shape[-1]) if ctx.needs_input_grad[1] else None
             grad_bias = flat_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias
 

@@ -288,12 +288,8 @@ class Stage3(Stage2):
         self._spares.clear()  # the optimizer step may want the memory
 
     def _launch(self, unit: int):
-        su = self.sharded[unit]
-        grads = [p.grad for p in su.params if p.grad is not None] if su.spares is not None else []
         handle = super()._launch(unit)  # gradients are in the bucket now
-        for g in grads:  # their host memory serves the next gradient of that size
-            su.spares.give(g)
-        su.release()
+        self.sharded[unit].release()
         return handle
 
     # -- step ------------------------------------------------------------------------------------
