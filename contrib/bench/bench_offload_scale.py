@@ -272,15 +272,24 @@ def main(argv: list[str] | None = None) -> int:
     args.shim_dir = tempfile.mkdtemp(prefix="zkit-ds-shim-")
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     log(f"cap {args.cap_gib} GiB per attempt, width {args.d_model}, load average {os.getloadavg()}")
-    disk = None
-    if args.disk_mb and any(v.endswith("nvme") for v in variants):
-        disk = disk_bandwidth(args.nvme_path, args.disk_mb)
-        log(f"disk: the NVMe swapper at the contestants' aio settings writes {disk[0]:.2f} GB/s and reads "
-            f"{disk[1]:.2f} GB/s ({args.disk_mb} MiB, O_DIRECT)")
+    disks = None
+    probe_disk = args.disk_mb and any(v.endswith("nvme") for v in variants)
+    if probe_disk:
+        disks = disk_bandwidth(args.nvme_path, args.disk_mb)
+        for name, (w, r) in disks.items():
+            log(f"disk before, {name}: the NVMe swapper at the contestants' aio settings writes {w:.2f} GB/s and "
+                f"reads {r:.2f} GB/s ({args.disk_mb} MiB, O_DIRECT)")
     rows = []
     for v in variants:
         layers, best, _ = search(v, args, log)
         rows.append((v, layers, best))
+    if probe_disk:
+        # This kind of disk (a virtual one) moves by a third from one probe to the next: the bound
+        # takes the mean of a probe before the contestants and one after.
+        after = disk_bandwidth(args.nvme_path, args.disk_mb)
+        for name, (w, r) in after.items():
+            log(f"disk after, {name}: writes {w:.2f} GB/s and reads {r:.2f} GB/s")
+        disks = {name: ((w + after[name][0]) / 2, (r + after[name][1]) / 2) for name, (w, r) in disks.items()}
     from bench_offload_common import print_size_table
 
     print(f"\nLargest GPT (d_model {args.d_model}) training {STEPS} steps under a {args.cap_gib} GiB cap; "
@@ -288,37 +297,53 @@ def main(argv: list[str] | None = None) -> int:
     print_size_table(rows, [("cgroup peak GiB", lambda b: f"{b['cgroup_peak'] / 2**30:.2f}"),
                             ("peak RSS GiB", lambda b: f"{b['peak_rss'] / 2**30:.2f}"),
                             ("step s", lambda b: f"{sorted(b['times'])[1]:.2f}")])
-    if disk is not None:
-        print(f"\nDisk traffic per step (median step; /proc/self/io) against the disk bound (bytes read / "
-              f"{disk[1]:.2f} GB/s + bytes written / {disk[0]:.2f} GB/s, the swapper's bandwidth measured in this run):")
-        print("| contestant | params | read GB | written GB | bytes / param | disk bound s | step s | step / bound |")
-        print("|---|---|---|---|---|---|---|---|")
+    if disks is not None:
+        names = list(disks)
+        bound = lambda r, w, name: r / (disks[name][1] * 1e9) + w / (disks[name][0] * 1e9)  # noqa: E731
+        print("\nDisk traffic per step (median step; /proc/self/io) against the disk bound: bytes read / read "
+              "bandwidth + bytes written / write bandwidth, with the swapper's bandwidth measured in this run (mean of a probe before and one after) "
+              + " and ".join(f"{n} ({disks[n][1]:.2f} GB/s read, {disks[n][0]:.2f} GB/s write)" for n in names) + ":")
+        print("| contestant | params | read GB | written GB | bytes / param | step s | "
+              + " | ".join(f"bound s, {n} | step / bound" for n in names) + " |")
+        print("|---|---|---|---|---|---|" + "---|---|" * len(names))
         phase_lines = []
         for v, layers, b in rows:
             if b is None or "io" not in b or not v.endswith("nvme"):
                 continue
             i = sorted(range(len(b["times"])), key=b["times"].__getitem__)[len(b["times"]) // 2]
             read, written = b["io"][i]
-            bound = read / (disk[1] * 1e9) + written / (disk[0] * 1e9)
+            cells = " | ".join(f"{bound(read, written, n):.1f} | {b['times'][i] / bound(read, written, n):.2f}" for n in names)
             print(f"| {v} | {b['params'] / 1e6:.0f}M | {read / 1e9:.2f} | {written / 1e9:.2f} | "
-                  f"{(read + written) / b['params']:.1f} | {bound:.1f} | {b['times'][i]:.1f} | {b['times'][i] / bound:.2f} |")
+                  f"{(read + written) / b['params']:.1f} | {b['times'][i]:.1f} | {cells} |")
             if b.get("phases"):
-                cells = [f"{name} {sec:.1f} s, read {r / 1e9:.2f} GB, written {w / 1e9:.2f} GB "
-                         f"(bound {r / (disk[1] * 1e9) + w / (disk[0] * 1e9):.1f} s)"
+                cells = [f"{name} {sec:.1f} s, read {r / 1e9:.2f} GB, written {w / 1e9:.2f} GB (bound "
+                         + ", ".join(f"{bound(r, w, n):.1f} s {n}" for n in names) + ")"
                          for name, (sec, r, w) in zip(("forward", "backward", "step"), b["phases"][i])]
                 phase_lines.append(f"{v} at {b['params'] / 1e6:.0f}M: " + "; ".join(cells))
         print("\n".join(phase_lines))
     return 0
 
 
-def disk_bandwidth(directory: str, size_mb: int) -> tuple[float, float]:
+def disk_bandwidth(directory: str, size_mb: int) -> dict[str, tuple[float, float]]:
     """(write, read) GB/s of zkit-offload's swapper with the contestants' aio settings (1 MiB
-    blocks, queue depth 8), on a file in ``directory``."""
-    from bench_nvme_swap import swapper_bandwidth
+    blocks, queue depth 8), on files in ``directory``, measured two ways:
+
+    * ``one file``: ``size_mb`` written as one tensor and read back at once (best of 2);
+    * ``20 MiB files``: the same bytes as 20 MiB pieces in files of their own, read back after
+      all were written, as the optimizer step moves its sub-group tensors;
+    * ``20 MiB files read and written at once``: those pieces read while others are rewritten,
+      as the step pipeline does (one figure for both directions: the bytes of both over the time).
+
+    On the virtual disk this was written on, the figures differ by up to 2x and each moves by a
+    third between probes: one file went fastest, pieces read alone slowest, and reading while
+    writing moved more bytes than either alone."""
+    from bench_nvme_swap import swapper_bandwidth, swapper_piecewise_bandwidth
 
     probe = tempfile.mkdtemp(prefix="offload-scale-disk-", dir=directory)
     try:
-        return swapper_bandwidth(probe, size_mb, block_size=1 << 20, threads=8, rounds=2)
+        whole = swapper_bandwidth(probe, size_mb, block_size=1 << 20, threads=8, rounds=2)
+        pieces = swapper_piecewise_bandwidth(probe, size_mb, 20, block_size=1 << 20, threads=8)
+        return {"one file": whole, "20 MiB files": pieces[:2], "20 MiB files read and written at once": (pieces[2], pieces[2])}
     finally:
         shutil.rmtree(probe, ignore_errors=True)
 
