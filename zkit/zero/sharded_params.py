@@ -190,7 +190,16 @@ class _ZeroLinear(torch.autograd.Function):
         with torch._C.DisableTorchFunctionSubclass():
             grad_input = grad_out @ weight if ctx.needs_input_grad[0] else None
             flat_out = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_weight = flat_out.t() @ input.reshape(-1, input.shape[-1]) if ctx.needs_input_grad[1] else None
+            flat_in = input.reshape(-1, input.shape[-1])
+            grad_weight = None
+            if ctx.needs_input_grad[1]:
+                spares = weight._zkit_unit.grad_spares
+                if spares is not None and flat_out.dtype == flat_in.dtype == weight.dtype:
+                    # into the host buffer of an earlier gradient (stage 3 gives it back once reduced)
+                    out = spares.take(weight.numel(), weight.dtype, weight.device).view(weight.shape)
+                    grad_weight = torch.mm(flat_out.t(), flat_in, out=out)
+                else:
+                    grad_weight = flat_out.t() @ flat_in
             grad_bias = flat_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias
 
@@ -278,6 +287,9 @@ class ShardedUnit:
         #: where this unit's gathered buffer comes from and goes back to (set by the stage-3
         #: partitioner for released units); None: a new buffer each gather
         self.spares: SpareBuffers | None = None
+        #: where the gradients of this unit's weights computed by stage 3's linear come from
+        #: (their own budget: they must not crowd out the gathered buffers); None: new ones
+        self.grad_spares: SpareBuffers | None = None
         #: the fp32 master of this shard when it is a separate copy (set by the stage-3 partitioner).
         self.master: torch.Tensor | None = None
         #: where the shard lives when it is not ``shard`` (an offload allocator's store); None: ``shard``.

@@ -91,8 +91,11 @@ class Stage3(Stage2):
         # Two of the largest released unit: a step cycles through a few unit sizes.
         released = [su.unit.padded * su.shard_dtype.itemsize for su in self.sharded if not su.persistent]
         self._spares = SpareBuffers(2 * max(released, default=0))
+        weights = [p.numel() * p.element_size() for su in self.sharded if not su.persistent for p in su.params]
+        self._grad_spares = SpareBuffers(2 * max(weights, default=0))
         for su in self.sharded:
             su.spares = None if su.persistent else self._spares
+            su.grad_spares = None if su.persistent else self._grad_spares
         self._phase = "idle"
         self.prefetch_numel = int(zc.stage3_prefetch_bucket_size)
         self.max_live = int(zc.stage3_max_live_parameters)
@@ -286,10 +289,15 @@ class Stage3(Stage2):
         super().after_backward(boundary)
         self._release_all()
         self._spares.clear()  # the optimizer step may want the memory
+        self._grad_spares.clear()
 
     def _launch(self, unit: int):
+        su = self.sharded[unit]
+        grads = [p.grad for p in su.params if p.grad is not None] if su.grad_spares is not None else []
         handle = super()._launch(unit)  # gradients are in the bucket now
-        self.sharded[unit].release()
+        for g in grads:  # their host memory serves the next gradient of that size
+            su.grad_spares.give(g)
+        su.release()
         return handle
 
     # -- step ------------------------------------------------------------------------------------
