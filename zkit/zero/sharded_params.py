@@ -233,7 +233,7 @@ class SpareBuffers:
     fresh memory and takes a page fault per 4 KiB page as it writes it. A stage-3 step gathers
     the same few unit sizes over and over, so keeping a few freed buffers saves those faults
     (``contrib/bench/bench_host_malloc.py``: the fixed threshold cost a 2-rank stage-3 step 1.21-1.24x
-    the time of glibc's default before, 1.11x with them). At most ``limit_bytes`` are kept; :meth:`clear` hands them back (stage 3 calls it when
+    the time of glibc's default before, 1.11-1.17x with them). At most ``limit_bytes`` are kept; :meth:`clear` hands them back (stage 3 calls it when
     backward ends, before the optimizer step wants the memory). Device buffers are never kept:
     torch's caching allocator already reuses them. A buffer still referenced elsewhere (a view
     that autograd saved) is not kept either: the next gather would overwrite it."""
