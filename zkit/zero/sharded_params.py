@@ -99,7 +99,8 @@ class ZeroParameter(torch.nn.Parameter):
     in the process, in partitioning order), ``ds_shape`` and ``ds_numel`` (the full parameter's,
     whatever ``param.data`` holds now), ``ds_status`` (a :class:`ParamStatus`) and ``ds_tensor``
     (the part of this parameter that this rank's shard holds, flat; empty when the rank's shard
-    has none of it: zkit shards a module's parameters together)."""
+    has none of it: zkit shards a module's parameters together; a copy when the shard is in a
+    store such as NVMe, so writing to it does not change the shard)."""
 
     _zkit_unit: "ShardedUnit"
     _zkit_released: bool = False
@@ -131,7 +132,14 @@ class ZeroParameter(torch.nn.Parameter):
         lo, hi = unit.unit.shard_range(unit.comm.rank)
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         with torch._C.DisableTorchFunctionSubclass():
-            return unit.local_shard()[start - lo : max(start, end) - lo]
+            if unit.store is None:
+                return unit.shard[start - lo : max(start, end) - lo]
+            # A stored shard is read into a buffer the store reuses: a copy, and the buffer back.
+            shard = unit.store.get(unit)
+            try:
+                return shard[start - lo : max(start, end) - lo].clone()
+            finally:
+                unit.store.release(unit)
 
     def _zkit_slot(self) -> Any:
         unit = self._zkit_unit
@@ -226,17 +234,20 @@ _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
 
 
 class SpareBuffers:
-    """Host buffers of released units, kept for the next gather of the same size and dtype.
+    """Freed host buffers kept for the next request of the same size and dtype: stage 3's
+    gathered units, and (in a pool of their own) the weight gradients its linear computes.
 
     Where glibc's mmap threshold is fixed (:mod:`zkit.host_memory`: memory is tight, or an NVMe
-    offload runs), every freed gathered buffer is unmapped, and the next gather of that size maps
-    fresh memory and takes a page fault per 4 KiB page as it writes it. A stage-3 step gathers
-    the same few unit sizes over and over, so keeping a few freed buffers saves those faults
-    (``contrib/bench/bench_host_malloc.py``: the fixed threshold cost a 2-rank stage-3 step 1.21-1.24x
-    the time of glibc's default before, 1.11-1.17x with them). At most ``limit_bytes`` are kept; :meth:`clear` hands them back (stage 3 calls it when
-    backward ends, before the optimizer step wants the memory). Device buffers are never kept:
-    torch's caching allocator already reuses them. A buffer still referenced elsewhere (a view
-    that autograd saved) is not kept either: the next gather would overwrite it."""
+    offload runs), every freed large buffer is unmapped, and the next one of that size is mapped
+    afresh and takes a page fault per 4 KiB page as it is written. A stage-3 step uses the same
+    few sizes over and over, so keeping a few freed buffers saves those faults
+    (``contrib/bench/bench_host_malloc.py``: the fixed threshold cost a 2-rank stage-3 step
+    1.21-1.24x the time of glibc's default before, 1.11-1.17x with them).
+
+    At most ``limit_bytes`` are kept; :meth:`clear` hands them back (stage 3 calls it when backward
+    ends, before the optimizer step wants the memory). Device buffers are never kept: torch's
+    caching allocator already reuses them. Nor is a buffer whose storage another tensor still
+    uses (a view that autograd saved): the next user would overwrite it."""
 
     __slots__ = ("limit", "kept", "_free")
 

@@ -248,6 +248,25 @@ def built_into_nvme(nvme_root: str, steps: int = 3) -> dict:
     return out
 
 
+def ds_tensor_of_stored_shards(nvme_root: str) -> dict:
+    """DeepSpeed's ``param.ds_tensor`` of parameters whose shards are on NVMe, after a step: the
+    values (against the gathered parameter) and whether the store still holds a buffer for it."""
+    from zkit.zero import GatheredParameters
+
+    world = torch.distributed.get_world_size()
+    engine, *_ = zkit.initialize(model=make_model(), config=config(3, "fp32", world, "none", nvme_root, param="nvme"))
+    train(engine, 1, 2)
+    stored = [p for p in engine.module.parameters() if p._zkit_unit.store is not None]
+    pieces = [p.ds_tensor for p in stored]
+    with GatheredParameters(stored):
+        full = [p.detach().reshape(-1).clone() for p in stored]
+    store = engine.partitioner.param_store
+    out = {"stored": len(stored), "match": all(torch.equal(a, b) for a, b in zip(pieces, full)),
+           "buffers_held": [b.users for b in store.buffers]}
+    engine.close()
+    return out
+
+
 def nvme_memory_vs_estimate(nvme_root: str) -> dict:
     """``engine.memory()`` of NVMe-offloaded stages 2 and 3 after a step, next to the estimator's
     figures for the same model and config."""

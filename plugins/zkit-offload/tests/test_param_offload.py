@@ -53,6 +53,14 @@ def test_one_rank_nvme_params_match_stage3_without_offload(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ds_tensor_of_a_shard_on_nvme_is_its_values_and_holds_no_buffer(tmp_path):
+    """Reading DeepSpeed's ``ds_tensor`` of a stored shard hands the store's buffer back: a buffer
+    held for ever would leave the gathers one buffer short, and with every buffer held they wait."""
+    (out,) = run_ranks(orr.ds_tensor_of_stored_shards, 1, args=(str(tmp_path),), timeout=300)
+    assert out["stored"] > 0 and out["match"], out
+    assert out["buffers_held"] == [0, 0], out
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_nvme_params_swap_all_but_max_in_cpu(results, nvme_root, dtype):
     for rank in results:
