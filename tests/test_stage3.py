@@ -234,3 +234,42 @@ def test_a_gathered_buffer_autograd_still_views_is_not_reused_for_another_unit()
     buffer that a view saved for backward still reads: that one would be overwritten."""
     for out in run_ranks(_gathered_buffer_still_viewed, 2, args=(True,), timeout=300):
         assert out["diff"] < 1e-5, out
+
+
+def _gradients_kept_by_a_hook() -> dict:
+    """Rank function: three equal bias-free layers at stage 3; a post-accumulate-grad hook,
+    registered before ``zkit.initialize``, keeps each weight's ``.grad`` of the first backward.
+    Those tensors against plain PyTorch's gradients of the same batch."""
+    import copy
+
+    import torch
+
+    import zkit
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8, bias=False) for _ in range(3)])
+    ref = copy.deepcopy(model)
+    kept = {}
+
+    def keep(i: int):
+        def hook(p) -> None:  # a hook that returns a value hands it on to the next hook
+            kept.setdefault(i, p.grad)
+        return hook
+
+    for i, layer in enumerate(model):
+        layer.weight.register_post_accumulate_grad_hook(keep(i))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.0}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                 "stage3_max_reuse_distance": 0}}
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(x).square().mean())
+    ref(x).square().mean().backward()
+    return {"diff": max((kept[i] - layer.weight.grad).abs().max().item() for i, layer in enumerate(ref))}
+
+
+def test_a_gradient_user_code_keeps_is_not_reused_for_another_weight():
+    """Stage 3 computes weight gradients into the buffers of earlier ones, but never into one that
+    user code (a post-accumulate-grad hook) may still hold."""
+    (out,) = run_ranks(_gradients_kept_by_a_hook, 1, timeout=300)
+    assert out["diff"] < 1e-6, out

@@ -293,7 +293,10 @@ class Stage3(Stage2):
 
     def _launch(self, unit: int):
         su = self.sharded[unit]
-        grads = [p.grad for p in su.params if p.grad is not None] if su.grad_spares is not None else []
+        # Not a gradient that another post-accumulate hook than the partitioner's saw: user code
+        # may have kept it, and the next gradient of its size would overwrite it.
+        grads = [p.grad for p in su.params if p.grad is not None and len(p._post_accumulate_grad_hooks or ()) <= 1
+                 ] if su.grad_spares is not None else []
         handle = super()._launch(unit)  # gradients are in the bucket now
         for g in grads:  # their host memory serves the next gradient of that size
             su.grad_spares.give(g)
