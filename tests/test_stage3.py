@@ -273,3 +273,32 @@ def test_a_gradient_user_code_keeps_is_not_reused_for_another_weight():
     user code (a post-accumulate-grad hook) may still hold."""
     (out,) = run_ranks(_gradients_kept_by_a_hook, 1, timeout=300)
     assert out["diff"] < 1e-6, out
+
+
+def _hook_that_returns_a_value(stage: int) -> str:
+    """Rank function: a post-accumulate-grad hook registered before ``zkit.initialize`` returns
+    the gradient; the error backward raises."""
+    import torch
+
+    import zkit
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    model[0].weight.register_post_accumulate_grad_hook(lambda p: p.grad)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": stage}}
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    try:
+        engine.backward(engine(torch.ones(2, 4)).sum())
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("stage", (1, 3))
+def test_a_user_hook_returning_a_value_is_named_as_the_cause(stage):
+    (message,) = run_ranks(_hook_that_returns_a_value, 1, args=(stage,), timeout=300)
+    assert message == (
+        f"ZeRO stage {stage}: its gradient hook was called with a Tensor of shape (4, 4) that is not one of the "
+        "model's parameters. A post-accumulate-grad hook registered before zkit.initialize returned a value, and "
+        "torch passes that value on to the next hook in place of the parameter; make that hook return None"
+    )

@@ -94,7 +94,7 @@ class ZeroPartitioner(Partitioner):
             else None
         )
         self._hooks = [
-            p.register_post_accumulate_grad_hook(self._on_grad_ready) for _, p in named
+            p.register_post_accumulate_grad_hook(self._grad_hook) for _, p in named
         ]
         self._init_grads()
 
@@ -207,6 +207,17 @@ class ZeroPartitioner(Partitioner):
     @property
     def master_device(self) -> torch.device:
         return self.master[0].device if self.master else self.ctx.device
+
+    def _grad_hook(self, param: torch.Tensor) -> None:
+        if id(param) not in self.unit_of:
+            # torch hands a post-accumulate hook's return value to the next hook as the parameter
+            raise RuntimeError(
+                f"ZeRO stage {self.stage}: its gradient hook was called with a {type(param).__name__} of shape "
+                f"{tuple(param.shape)} that is not one of the model's parameters. A post-accumulate-grad hook "
+                f"registered before zkit.initialize returned a value, and torch passes that value on to the next "
+                f"hook in place of the parameter; make that hook return None"
+            )
+        self._on_grad_ready(param)
 
     # -- stage-specific gradient path ------------------------------------------------------------
     def _init_grads(self) -> None:
