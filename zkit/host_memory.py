@@ -10,9 +10,10 @@ each, ZeRO-3 trained 210M parameters where its live tensors allowed 286M.
 
 Fixing the threshold at 1 MiB returns that memory, at a price: every large tensor is then mapped
 afresh and its pages faulted in when first written (a 2-rank stage-3 step took 19-24% longer,
-``contrib/bench/bench_host_malloc.py``; 11-17% since stage 3 reuses its gathered buffers). Returning freed pages at every step with ``malloc_trim``
-costs about half as much and saves little (the resident set peaks inside the step). So zkit pays
-the price only where the memory matters, chosen by ``ZKIT_HOST_MALLOC``:
+``contrib/bench/bench_host_malloc.py``; 11-17% since stage 3 reuses its gathered buffers).
+Returning freed pages at every step with ``malloc_trim`` costs about half as much and saves
+little (the resident set peaks inside the step). So zkit pays the price only where the memory
+matters, chosen by ``ZKIT_HOST_MALLOC``:
 
 * ``auto`` (the default): :func:`fit_to_memory`, called by ``zkit.initialize``, fixes the
   threshold when the rank's model states in host memory take at least :data:`TIGHT_FRACTION` of

@@ -176,8 +176,8 @@ class Stage3(Stage2):
         # One batch of gathers where the backend batches them; not with a shard store, which may
         # wait for a gather in flight to free a buffer (a batch is waited for only after it).
         with self.comm.coalesced() if self.param_store is None else contextlib.nullcontext():
-            for nxt in order[self._cursor + 1 :]:
-                su = self.sharded[nxt]
+            for position in range(self._cursor + 1, len(order)):  # indices: no copy of the order
+                su = self.sharded[order[position]]
                 # The window ahead is the prefetch size, counting units gathered already (skipped
                 # free, they would let the window reach past its size).
                 if budget < su.unit.padded:
@@ -192,10 +192,10 @@ class Stage3(Stage2):
         if self.param_store is not None:
             # Read the shards of the units after those ahead of their gathers (NVMe latency).
             wanted = self.param_store.lookahead
-            for nxt in order[self._cursor + 1 :]:
+            for position in range(self._cursor + 1, len(order)):
                 if wanted <= 0:
                     break
-                su = self.sharded[nxt]
+                su = self.sharded[order[position]]
                 if su.full is None:
                     su.prefetch_shard()
                     wanted -= 1
