@@ -9,7 +9,8 @@ PACKAGES := -e ".[test]" -e plugins/zkit-offload -e plugins/zkit-onebit -e plugi
 NPROC ?= 2
 STEPS ?= 200
 # The real DeepSpeed, in its own environment: tests compare against it and import its checkpoints
-# (they are skipped with a reason when it is missing).
+# (they are skipped with a reason when it is missing). The C++ ops DeepSpeed would compile on first use
+# are built here, at set-up, rather than inside the tests.
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
 PEER_PACKAGES := deepspeed==0.19.8 ninja py-cpuinfo psutil hjson pydantic msgpack einops transformers \
@@ -30,6 +31,7 @@ $(PEERS_STAMP): constraints.txt
 	test -x $(PEERS_VENV)/bin/python || $(PY) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip install -q -c constraints.txt torch==2.13.0
 	$(PEERS_VENV)/bin/python -m pip install -q -c constraints.txt $(PEER_PACKAGES)
+	DS_ACCELERATOR=cpu $(PEERS_VENV)/bin/python tests/deepspeed_peer_ops.py
 	touch $(PEERS_STAMP)
 
 peers: $(PEERS_STAMP)

@@ -22,3 +22,25 @@ def test_a_failing_rank_raises_with_its_traceback_promptly():
 def test_a_hang_ends_at_the_timeout_naming_the_ranks():
     with pytest.raises(RanksTimedOut, match=r"hang on 2 ranks did not finish within 8 s; ranks still running: \[0, 1\]"):
         run_ranks(er.hang, 2, timeout=8)
+
+
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_ranks_see_the_callers_environment_as_of_the_call(monkeypatch, start):
+    """A forked rank would otherwise see the forkserver's environment, frozen when it started."""
+    import os
+
+    monkeypatch.setenv("ZKIT_RANKS_START", start)
+    monkeypatch.setenv("ZKIT_PROBE_SET", "now")
+    monkeypatch.delenv("ZKIT_PROBE_GONE", raising=False)
+    assert run_ranks(os.getenv, 2, args=("ZKIT_PROBE_SET",), timeout=120) == ["now", "now"]
+    assert run_ranks(os.getenv, 1, args=("ZKIT_PROBE_GONE",), timeout=120) == [None]
+    assert run_ranks(os.getenv, 1, args=("ZKIT_PROBE_SET",), env={"ZKIT_PROBE_SET": "mine"}, timeout=120) == ["mine"]
+    assert run_ranks(os.getenv, 1, args=("OMP_NUM_THREADS",), threads_per_rank=2, timeout=120) == ["2"]
+
+
+def test_an_unknown_start_method_is_named(monkeypatch):
+    monkeypatch.setenv("ZKIT_RANKS_START", "fork")
+    with pytest.raises(ValueError, match="ZKIT_RANKS_START must be 'spawn' or 'forkserver', got 'fork'"):
+        run_ranks(er.rank_and_world, 1)
+    with pytest.raises(ValueError, match=r"run_ranks\(start=...\) must be 'spawn' or 'forkserver', got 'thread'"):
+        run_ranks(er.rank_and_world, 1, start="thread")

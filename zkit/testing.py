@@ -6,8 +6,18 @@
 picklable value; ``run_ranks`` returns the values in rank order. A rank that raises makes ``run_ranks``
 raise :class:`RanksFailed` with that rank's traceback as soon as it is known (the other ranks are killed,
 never left hanging); a job that does not finish within ``timeout`` seconds raises :class:`RanksTimedOut`
-naming the ranks that had not finished. The function must be importable by name (module level), since
-ranks are started with ``spawn`` (forked children hang in torch's thread pool).
+naming the ranks that had not finished. The function must be importable by name (module level): ranks
+start as fresh interpreters would, never as forks of the caller (a fork of a process that ran torch's
+thread pool hangs in it).
+
+**Start-up.** By default every rank is a new interpreter (``spawn``), which imports torch again:
+about 2 s a job on 2 cores. ``start="forkserver"`` (or ``ZKIT_RANKS_START=forkserver``, which this
+repository's test suite sets) forks ranks from multiprocessing's *forkserver* instead: a process
+started once that has imported torch and nothing else, so it has no thread pool to pass on, and a
+rank starts in a fraction of a second. Each rank still receives the caller's environment and
+``sys.path`` as of the call. What a forked rank does not get afresh: a variable read only when a
+process starts (glibc's ``MALLOC_*``), and its own copy of torch's pages, which a memory cgroup the
+rank joins does not count. Benchmarks that measure memory therefore keep ``spawn``.
 """
 from __future__ import annotations
 
@@ -36,6 +46,9 @@ def free_port() -> int:
 
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, threads, env, results) -> None:
+    # A forked rank inherits the forkserver's environment, frozen when it started: take the
+    # caller's as of this call instead (what a spawned rank would have).
+    os.environ.clear()
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -91,11 +104,15 @@ def run_ranks(
     timeout: float = 120.0,
     threads_per_rank: int = 1,
     env: dict[str, str] | None = None,
+    start: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks; return each rank's result.
+
+    ``start``: ``"spawn"`` or ``"forkserver"`` (default: ``ZKIT_RANKS_START``, else ``"spawn"``)."""
+    ctx = _context(start)
     for attempt in range(_PORT_ATTEMPTS):
         try:
-            return _run_ranks_once(fn, world_size, args, kwargs, timeout, threads_per_rank, env, free_port())
+            return _run_ranks_once(ctx, fn, world_size, args, kwargs, timeout, threads_per_rank, env, free_port())
         except RanksFailed as exc:
             # Another process took the free port between our probe and the rendezvous store's
             # bind; nothing of fn ran yet, so starting over on a new port is safe.
@@ -105,12 +122,27 @@ def run_ranks(
 
 
 _PORT_ATTEMPTS = 3
+#: ``spawn`` or ``forkserver``: how ranks start (see the module docstring)
+START_ENV = "ZKIT_RANKS_START"
 
 
-def _run_ranks_once(fn, world_size, args, kwargs, timeout, threads_per_rank, env, port) -> list[Any]:
-    ctx = mp.get_context("spawn")
+def _context(start: str | None = None):
+    method = start or os.environ.get(START_ENV) or "spawn"
+    if method == "forkserver" and "forkserver" not in mp.get_all_start_methods():
+        method = "spawn"  # not on this platform
+    if method not in ("spawn", "forkserver"):
+        where = "run_ranks(start=...)" if start else START_ENV
+        raise ValueError(f"{where} must be 'spawn' or 'forkserver', got {method!r}")
+    ctx = mp.get_context(method)
+    if method == "forkserver":
+        # Only torch: it is what costs the start-up, and importing it starts no thread.
+        ctx.set_forkserver_preload(["torch"])
+    return ctx
+
+
+def _run_ranks_once(ctx, fn, world_size, args, kwargs, timeout, threads_per_rank, env, port) -> list[Any]:
     results = ctx.Queue()
-    child_env = {"OMP_NUM_THREADS": str(threads_per_rank), **(env or {})}
+    child_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), **(env or {})}
     procs = [
         ctx.Process(
             target=_rank_main,

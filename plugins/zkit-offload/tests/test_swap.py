@@ -109,6 +109,25 @@ def test_run_directory_removed_on_close_and_at_exit(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+_KEPT: list[NVMeSwapper] = []
+
+
+def _swapper_left_open(root: str) -> None:
+    _KEPT.append(NVMeSwapper(root))  # alive until the process ends, never closed
+    _KEPT[-1].write("a", torch.ones(10))
+
+
+def test_run_directory_removed_at_the_exit_of_a_forked_multiprocessing_child(tmp_path):
+    """A forked child ends with os._exit, which skips atexit: multiprocessing's finalizers run."""
+    import multiprocessing as mp
+
+    child = mp.get_context("forkserver").Process(target=_swapper_left_open, args=(str(tmp_path),))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_run_directory_of_a_killed_process_removed_by_the_next_run(tmp_path):
     code = ("import os, sys, torch; from zkit_offload import NVMeSwapper; "
             f"s = NVMeSwapper({str(tmp_path)!r}); s.write('a', torch.ones(10)); print(s.dir, flush=True); "

@@ -19,7 +19,8 @@ requests (see ``contrib/bench/bench_nvme_swap.py``) and cannot fail to build.
 **Failures.** Any I/O error (ENOSPC, EIO, a short read of a truncated file) raises
 :class:`SwapError` naming the file. A key whose write failed is marked broken: reading it raises
 instead of returning half-written data. The run directory is removed by :meth:`NVMeSwapper.close`
-and, as a fallback, at interpreter exit. A process killed by a signal runs neither: each run
+and, as a fallback, at interpreter exit (or at the exit of a multiprocessing child, which skips the
+interpreter's exit handlers when it was forked). A process killed by a signal runs neither: each run
 directory therefore carries an ``owner`` file (host name and pid), and a new swapper removes the
 directories under the same ``nvme_path`` whose owner ran on this host and no longer exists.
 """
@@ -29,6 +30,7 @@ import atexit
 import concurrent.futures as cf
 import errno
 import mmap
+import multiprocessing.util
 import os
 import shutil
 import socket
@@ -157,6 +159,9 @@ class NVMeSwapper:
             raise SwapError(f"cannot create the swap directory {str(self.dir)!r}: {exc}") from exc
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
         atexit.register(self._finalizer)
+        # A forked multiprocessing child ends with os._exit, which skips atexit; multiprocessing
+        # runs its own finalizers before that.
+        self._mp_finalizer = multiprocessing.util.Finalize(None, self._finalizer, exitpriority=0)
         self.direct = self._probe_direct() if direct is None else direct
         if self.direct and not self._probe_direct():
             raise SwapError(f"direct=True but the filesystem of {str(self.dir)!r} does not support O_DIRECT")
@@ -262,6 +267,7 @@ class NVMeSwapper:
         self._keys.clear()
         self._finalizer()
         atexit.unregister(self._finalizer)
+        self._mp_finalizer.cancel()
 
     def __enter__(self) -> "NVMeSwapper":
         return self
