@@ -47,15 +47,16 @@ def gpt_config(layers: int, d_model: int):
     return GPTConfig(vocab_size=8192, seq_len=64, n_layer=layers, n_head=max(1, d_model // 64), d_model=d_model)
 
 
-def offload_config(variant: str, nvme_path: str) -> dict[str, Any]:
-    """The zkit / DeepSpeed config (the same keys for both) of an offload contestant."""
+def offload_config(variant: str, nvme_path: str, param_buffers: int = 3) -> dict[str, Any]:
+    """The zkit / DeepSpeed config (the same keys for both) of an offload contestant;
+    ``param_buffers``: ``offload_param.buffer_count`` with NVMe."""
     device = variant.split("-", 1)[1]
     opt: dict[str, Any] = {"device": device, "pin_memory": False}
     param: dict[str, Any] = {"device": device, "pin_memory": False}
     if device == "nvme":
-        # small host buffers: 2 sub-groups of 5M elements' state, 3 parameter shards
+        # small host buffers: 2 sub-groups of 5M elements' state, 3 parameter shards by default
         opt.update(nvme_path=nvme_path, buffer_count=2)
-        param.update(nvme_path=nvme_path, buffer_count=3, buffer_size=100_000_000, max_in_cpu=0)
+        param.update(nvme_path=nvme_path, buffer_count=param_buffers, buffer_size=100_000_000, max_in_cpu=0)
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -84,7 +85,7 @@ def _peak_rss() -> int:
     return 0
 
 
-def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, Any]:
+def child(variant: str, layers: int, d_model: int, nvme_path: str, param_buffers: int = 3) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -98,7 +99,7 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str) -> dict[str, 
     dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = gpt_config(layers, d_model)
     torch.manual_seed(0)
-    config = offload_config(variant, nvme_path) if variant != "torch" else None
+    config = offload_config(variant, nvme_path, param_buffers) if variant != "torch" else None
     if variant.startswith("zkit"):
         import zkit.zero
 
@@ -189,7 +190,7 @@ def _attempt(variant: str, layers: int, args: argparse.Namespace, nvme_dir: str)
 
     python = args.ds_python if variant.startswith("ds") else sys.executable
     cmd = [python, os.path.abspath(__file__), "--child", variant, "--layers", str(layers),
-           "--d-model", str(args.d_model), "--nvme-path", nvme_dir]
+           "--d-model", str(args.d_model), "--nvme-path", nvme_dir, "--param-buffers", str(args.param_buffers)]
     env = dict(os.environ, OMP_NUM_THREADS="2", NUMBA_NUM_THREADS="2", PYTHONNOUSERSITE="1",
                PYTHONWARNINGS="ignore")
     if variant.startswith("ds"):
@@ -261,12 +262,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="try these depths in order (stop at the first failure) instead of doubling and bisecting")
     p.add_argument("--disk-mb", type=int, default=2048, help="size of the disk bandwidth probe (0: skip it)")
+    p.add_argument("--param-buffers", type=int, default=3,
+                   help="offload_param.buffer_count of the NVMe contestants (parameter shards read ahead)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sys.path[:0] = [HERE, REPO]
     if args.child:
-        print(RESULT + json.dumps(child(args.child, args.layers, args.d_model, args.nvme_path)), flush=True)
+        print(RESULT + json.dumps(child(args.child, args.layers, args.d_model, args.nvme_path, args.param_buffers)),
+              flush=True)
         return 0
     variants = [v for v in args.variants.split(",") if v and (args.ds_python or not v.startswith("ds"))]
     args.shim_dir = tempfile.mkdtemp(prefix="zkit-ds-shim-")
