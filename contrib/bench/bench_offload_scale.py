@@ -262,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depths", type=lambda v: [int(x) for x in v.split(",")], default=None,
                    help="try these depths in order (stop at the first failure) instead of doubling and bisecting")
     p.add_argument("--disk-mb", type=int, default=2048, help="size of the disk bandwidth probe (0: skip it)")
+    p.add_argument("--plot", default="bench_offload_scale.png",
+                   help="PNG of step time and cgroup peak against model size ('' for none; needs matplotlib)")
     p.add_argument("--param-buffers", type=int, default=3,
                    help="offload_param.buffer_count of the NVMe contestants (parameter shards read ahead)")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -283,10 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         for name, (w, r) in disks.items():
             log(f"disk before, {name}: the NVMe swapper at the contestants' aio settings writes {w:.2f} GB/s and "
                 f"reads {r:.2f} GB/s ({args.disk_mb} MiB, O_DIRECT)")
-    rows = []
+    rows, series = [], []
     for v in variants:
-        layers, best, _ = search(v, args, log)
+        layers, best, tried = search(v, args, log)
         rows.append((v, layers, best))
+        series.append(size_series(v, tried, args.d_model))
     if probe_disk:
         # This kind of disk (a virtual one) moves by a third from one probe to the next: the bound
         # takes the mean of a probe before the contestants and one after.
@@ -325,7 +328,24 @@ def main(argv: list[str] | None = None) -> int:
                          for name, (sec, r, w) in zip(("forward", "backward", "step"), b["phases"][i])]
                 phase_lines.append(f"{v} at {b['params'] / 1e6:.0f}M: " + "; ".join(cells))
         print("\n".join(phase_lines))
+    if args.plot:
+        from bench_plots import plot_sizes
+
+        print(plot_sizes(series, int(args.cap_gib * 2**30), args.plot, f"one process, width {args.d_model}",
+                         "cgroup peak (GiB)"))
     return 0
+
+
+def size_series(variant: str, tried: list[tuple[int, dict[str, Any]]], d_model: int):
+    """A contestant's attempts as a plot series: the sizes that trained (median step, cgroup
+    peak) in order of size, and the smallest that failed."""
+    from bench_plots import Series
+
+    good = sorted((r["params"], sorted(r["times"])[len(r["times"]) // 2], r["cgroup_peak"])
+                  for _, r in tried if r["ok"])
+    failed = sorted(layers for layers, r in tried if not r["ok"])
+    failed_at = gpt_config(failed[0], d_model).num_parameters() if failed else None
+    return Series(variant, good, failed_at)
 
 
 def disk_bandwidth(directory: str, size_mb: int) -> dict[str, tuple[float, float]]:

@@ -19,6 +19,7 @@ traffic columns measure).
 
 ``--scale`` instead searches the largest GPT each stage trains for 3 steps at 4 ranks under a
 memory cap (zkit vs DeepSpeed vs FSDP2); it takes long and uses up to ``--scale-cap-gib`` of RAM.
+It also draws step time and peak memory against model size (``--scale-plot``, with matplotlib).
 
 DeepSpeed runs in its own interpreter (``--deepspeed-python``, default ``.venv-peers/bin/python``
 when it exists) with ``DS_ACCELERATOR=cpu``; without it the DeepSpeed rows are left out. zkit's
@@ -108,6 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--scale-world", type=positive_int, default=4, help="ranks in scale mode")
     p.add_argument("--scale-depths", type=int_list, default=None, help="GPT depths to try (width 1024)")
     p.add_argument("--scale-stages", type=int_list, default=list(STAGES), help="ZeRO stages searched in scale mode")
+    p.add_argument("--scale-plot", default="bench_zero_scale.png",
+                   help="PNG of step time and peak memory against model size ('' for none; needs matplotlib)")
     p.add_argument("--scale-host-malloc", type=lambda v: [c for c in v.split(",") if c], default=[],
                    help="add zkit rows with these ZKIT_HOST_MALLOC choices (return, keep; comma-separated); "
                         "the plain rows run at the default, auto")
@@ -375,13 +378,16 @@ def scale_mode(args: argparse.Namespace, shim: str) -> str:
     if 3 in args.scale_stages:
         contestants.append(("torch FSDP2", 3, lambda w: in_job_cgroup(w, "torch FSDP2")))
     rows = [["contestant", "largest trained", "step s", "peak RSS (all ranks)", "next size", "zkit estimate", "trained / estimate"]]
+    searches, estimates = [], {}
     for name, stage, run in contestants:
         log(f"scale: {name}")
         attempts = zero_scale.search(name, stage, run, cap, world, sizes, log)
+        searches.append((name, stage, attempts))
         good = [a for a in attempts if a.ok]
         bad = [a for a in attempts if not a.ok]
         best = good[-1] if good else None
         predicted = zero_scale.estimated_largest(stage, world, cap, sizes[0])
+        estimates[stage] = predicted.num_parameters()
         rows.append([
             name,
             f"{best.workload.num_parameters() / 1e6:.0f}M ({best.workload.n_layer} layers)" if best else "none",
@@ -398,6 +404,8 @@ def scale_mode(args: argparse.Namespace, shim: str) -> str:
         f"\nscale: {world} ranks, fp32 + AdamW, GPT width 1024 / 16 heads / vocab 8192, seq 32, micro-batch 1, "
         f"3 steps; cap {args.scale_cap_gib:g} GiB for all ranks together ({args.scale_cap_gib / world:g} GiB per rank)"
     )
+    if args.scale_plot:
+        lines.append(zero_scale.plot(searches, estimates, cap, world, args.scale_plot))
     return "\n".join(lines)
 
 

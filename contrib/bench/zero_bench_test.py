@@ -1,5 +1,6 @@
 """Checks of the ZeRO benchmark's own logic (no training): formulas, option errors, result merging,
-the goal test and the memory guard. ``pytest contrib/bench/zero_bench_test.py`` (a few seconds)."""
+the goal test, the memory guard and the scale plots. ``pytest contrib/bench/zero_bench_test.py``
+(a few seconds)."""
 from __future__ import annotations
 
 import os
@@ -132,3 +133,32 @@ def test_phase_table_shows_medians_in_ms_and_leaves_torch_collectives_blank():
     assert header.split()[:4] == ["contestant", "rank", "forward", "ms"]
     assert zkit_row.split() == ["zkit", "ZeRO-3", "0", *["20"] * len(COLUMNS), "2.0"]
     assert torch_row.split() == ["torch", "DDP", "0", "500", "500", "500", "500", "0.0"]
+
+
+def test_scale_plot_draws_each_contestant_or_says_why_not(tmp_path):
+    sizes = zero_scale.ladder((2, 4, 6))
+    attempts = [zero_scale.Attempt(sizes[0], True, step_s=1.0, peak_rss_total=2**30),
+                zero_scale.Attempt(sizes[1], True, step_s=2.0, peak_rss_total=2 * 2**30),
+                zero_scale.Attempt(sizes[2], False, "over the memory cap")]
+    path = tmp_path / "scale.png"
+    said = zero_scale.plot([("zkit ZeRO-3", 3, attempts)], {3: sizes[2].num_parameters()}, 3 * 2**30, 4, str(path))
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert said == "no plot: matplotlib is not installed (pip install matplotlib)"
+        assert not path.exists()
+        return
+    assert said == f"plot: {path}"
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_offload_scale_series_orders_the_sizes_that_trained_and_names_the_smallest_failure():
+    import bench_offload_scale
+
+    tried = [(1, {"ok": True, "params": 21, "times": [3.0, 1.0, 2.0], "cgroup_peak": 5}),
+             (8, {"ok": False, "note": "killed at the memory cap"}),
+             (4, {"ok": False, "note": "killed at the memory cap"}),
+             (2, {"ok": True, "params": 34, "times": [2.0, 2.5, 2.0], "cgroup_peak": 7})]
+    series = bench_offload_scale.size_series("torch", tried, 1024)
+    assert series.points == [(21, 2.0, 5), (34, 2.0, 7)]  # by size, the median step
+    assert series.failed_at == bench_offload_scale.gpt_config(4, 1024).num_parameters()

@@ -154,3 +154,22 @@ def failure_note(text: str) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     errors = [ln for ln in lines if "Error" in ln or "error" in ln]
     return (errors or lines or ["failed"])[-1][:160]
+
+
+
+def plot(searches: list[tuple[str, int, list[Attempt]]], estimates: dict[int, int], cap_bytes: int, world: int,
+         path: str) -> str:
+    """Step time and peak resident set (all ranks) against parameters, one line per contestant
+    (``searches``: name, stage, attempts; the first failed size a cross) and the sizes ``zkit
+    estimate`` predicts for the cap (``estimates``: stage -> parameters), to ``path``; see
+    :func:`bench_plots.plot_sizes`."""
+    from bench_plots import Series, plot_sizes
+
+    series = []
+    for name, _stage, attempts in searches:
+        good = [a for a in attempts if a.ok]
+        failed = [a for a in attempts if not a.ok and "not started" not in a.note]
+        series.append(Series(name, [(a.workload.num_parameters(), a.step_s, a.peak_rss_total) for a in good],
+                             failed[0].workload.num_parameters() if failed else None))
+    marks = {f"zkit estimate, stage {s}": n for s, n in sorted(estimates.items())}
+    return plot_sizes(series, cap_bytes, path, f"{world} ranks", "peak RSS, all ranks (GiB)", marks)
