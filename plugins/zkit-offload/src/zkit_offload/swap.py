@@ -26,7 +26,6 @@ directories under the same ``nvme_path`` whose owner ran on this host and no lon
 """
 from __future__ import annotations
 
-import atexit
 import concurrent.futures as cf
 import errno
 import mmap
@@ -157,10 +156,10 @@ class NVMeSwapper:
             (self.dir / OWNER).write_text(f"{socket.gethostname()} {os.getpid()}\n")
         except OSError as exc:
             raise SwapError(f"cannot create the swap directory {str(self.dir)!r}: {exc}") from exc
+        # Runs when the swapper is collected or, still alive, at interpreter exit (weakref.finalize
+        # registers its own exit hook). A forked multiprocessing child ends with os._exit, which
+        # skips that hook; multiprocessing runs its own finalizers first.
         self._finalizer = weakref.finalize(self, shutil.rmtree, str(self.dir), True)
-        atexit.register(self._finalizer)
-        # A forked multiprocessing child ends with os._exit, which skips atexit; multiprocessing
-        # runs its own finalizers before that.
         self._mp_finalizer = multiprocessing.util.Finalize(None, self._finalizer, exitpriority=0)
         self.direct = self._probe_direct() if direct is None else direct
         if self.direct and not self._probe_direct():
@@ -266,7 +265,6 @@ class NVMeSwapper:
                 pass
         self._keys.clear()
         self._finalizer()
-        atexit.unregister(self._finalizer)
         self._mp_finalizer.cancel()
 
     def __enter__(self) -> "NVMeSwapper":
