@@ -148,8 +148,8 @@ def zkit_configure(config: ZkitConfig, device: torch.device | None) -> Stack | N
     error naming both.
 
     ``device`` is the device the engine trains on, so that a record suited to some devices only
-    is chosen on those (zkit-cuda-numba answers the config type ``"FusedAdam"`` on ``cuda`` with
-    ``Stack(optimizer="fused_adam_cuda")``); ``None`` when the caller builds no engine
+    is chosen on those (a plugin whose kernel runs on GPUs answers on ``cuda`` only and leaves
+    other devices to the built-ins); ``None`` when the caller builds no engine
     (``zkit.zero.Init``). An implementation may leave the argument out."""
 
 

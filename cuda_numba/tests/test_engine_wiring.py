@@ -1,14 +1,13 @@
 """How the engine comes to step with FusedAdamCUDA, and that it trains as torch's Adam does.
 
-The config type ``"FusedAdam"`` resolves to the Numba kernel on a cuda device and to torch's Adam
-elsewhere; ``"Adam"`` stays torch's everywhere. The selection is checked on the CPU with a cuda
-device named; the engine runs here (under the simulator) with the kernel chosen by a Stack, over
+Every Adam type of a config, ``"FusedAdam"`` included, resolves to torch's fused Adam on every
+device; the kernel is chosen by its name, ``"fused_adam_cuda"``. The selection is checked on the
+CPU with a cuda device named; the engine runs here (under the simulator) with the kernel chosen by
+a Stack, over
 ZeRO's master views: several unit buffers (fp32: the parameters are the master) or one flat
 master with 16-bit twins (fp16), the loss scale and the clipping factor folded into the kernel.
 """
 from __future__ import annotations
-
-import logging
 
 import pytest
 import torch
@@ -32,34 +31,34 @@ def _optimizer_record(optimizer_type: str, device: torch.device | None, stack: z
     return configure(pm, stack or zkit.Stack(), config, device)[1]["optimizer"]
 
 
-def test_fused_adam_resolves_to_the_numba_kernel_on_cuda_and_to_torch_elsewhere():
+def test_fused_adam_is_torchs_fused_adam_and_the_kernel_is_chosen_by_name():
     assert runtime.unavailable_reason() is None  # the simulator makes the kernels available
-    on_cuda = _optimizer_record("FusedAdam", CUDA)
-    assert (on_cuda.name, on_cuda.dist) == ("fused_adam_cuda", "zkit-cuda-numba")
-    assert _optimizer_record("fused_adam", CUDA).name == "fused_adam_cuda"
-    for device in (CPU, None):  # None: no engine (zkit.zero.Init)
-        record = _optimizer_record("FusedAdam", device)
-        assert (record.name, record.dist) == ("adam", "zkit")
-    for name in ("Adam", "AdamW"):  # DeepSpeed's GPU FusedAdam types keep torch's fused Adam
-        assert _optimizer_record(name, CUDA).name == name.lower()
-    assert _optimizer_record("FusedAdam", CUDA, zkit.Stack(optimizer="adamw")).name == "adamw"  # the user's wins
+    for device in (CUDA, CPU, None):  # None: no engine (zkit.zero.Init)
+        for name in ("FusedAdam", "fused_adam", "Adam"):  # DeepSpeed's GPU FusedAdam types: torch's fused Adam
+            record = _optimizer_record(name, device)
+            assert (record.name, record.dist) == ("adam", "zkit")
+        assert _optimizer_record("AdamW", device).name == "adamw"
+    chosen = _optimizer_record("fused_adam_cuda", CUDA)
+    assert (chosen.name, chosen.dist) == ("fused_adam_cuda", "zkit-cuda-numba")
+    assert _optimizer_record("FusedAdam", CUDA, zkit.Stack(optimizer="fused_adam_cuda")).name == "fused_adam_cuda"
 
 
-def test_fused_adam_without_usable_kernels_is_torchs_and_says_why(monkeypatch, caplog):
+def test_the_kernel_by_name_without_usable_kernels_is_refused_with_the_reason(monkeypatch):
     monkeypatch.setattr(runtime, "unavailable_reason", lambda: "numba.cuda finds no usable CUDA driver")
-    with caplog.at_level(logging.WARNING, logger="zkit"):
-        assert _optimizer_record("FusedAdam", CUDA).name == "adam"
-    assert "kernel cannot run (numba.cuda finds no usable CUDA driver); torch's fused Adam steps instead" in caplog.text
+    assert _optimizer_record("FusedAdam", CUDA).name == "adam"
+    with pytest.raises(Exception, match="fused_adam_cuda"):
+        _optimizer_record("fused_adam_cuda", CUDA)
+    assert dict(plugin.zkit_report())["zkit-cuda-numba fused Adam"].startswith(
+        "not registered (numba.cuda finds no usable CUDA driver)")
 
 
-def test_zkit_plugins_shows_the_record_and_the_name_it_answers():
+def test_zkit_plugins_shows_the_record_and_how_it_is_chosen():
     from zkit.cli import plugins_text
 
     text = plugins_text()
-    assert "config type FusedAdam selects it on CUDA devices" in text
-    assert "(aliases: fusedadam, fused_adam)" in text
-    configure_line = next(line for line in text.splitlines() if line.strip().startswith("zkit_configure"))
-    assert "cuda_numba" in configure_line
+    assert "chosen by name (config type fused_adam_cuda) on CUDA devices" in text
+    assert "(aliases: fusedadam, fused_adam)" in text  # zkit's adam answers DeepSpeed's FusedAdam
+    assert not any(line.strip().startswith("zkit_configure") and "cuda_numba" in line for line in text.splitlines())
 
 
 def test_record_factory_reads_deepspeeds_adam_settings():
@@ -111,7 +110,7 @@ def _params(engine) -> list[torch.Tensor]:
 def test_engine_steps_zero_masters_with_the_kernel_as_torch_adam_does(stage, dtype):
     ours, ref = _engine(stage, dtype, numba=True), _engine(stage, dtype, numba=False)
     assert isinstance(ours.optimizer, FusedAdamCUDA) and ours.records["optimizer"].name == "fused_adam_cuda"
-    assert ref.records["optimizer"].name == "adam"  # "FusedAdam" on the CPU
+    assert ref.records["optimizer"].name == "adam"  # "FusedAdam": torch's fused Adam
     assert len(ours.optimizer.buffers) == (len(ours.partitioner.units) if dtype == "fp32" else 1)
     assert ours.partitioner.copy_out == (dtype == "fp16")  # the step writes the fp16 parameters
     _train(ours, range(3))

@@ -76,7 +76,7 @@ def test_plugin_registers_under_simulator_and_reports():
     assert record.state_names == ("exp_avg", "exp_avg_sq") and record.saved_state_format == "adam"
     report = dict(plugin.zkit_report())
     assert "simulator" in report["zkit-cuda-numba"]
-    assert report["zkit-cuda-numba fused Adam"].startswith("config type FusedAdam on a cuda device steps with")
+    assert report["zkit-cuda-numba fused Adam"].startswith("config type fused_adam_cuda on a cuda device steps with")
 
 
 def _step(opt, params, grads):

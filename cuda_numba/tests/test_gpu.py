@@ -1,5 +1,5 @@
 """On a CUDA machine: the kernels through SparseSelfAttention equal the PyTorch path, and the
-engine steps a config's "FusedAdam" with the fused Adam kernel as torch's Adam would."""
+engine steps a config's "fused_adam_cuda" with the fused Adam kernel as torch's Adam would."""
 from __future__ import annotations
 
 import pytest
@@ -47,7 +47,7 @@ def test_fused_adam_matches_torch_on_gpu():
 
 @pytest.mark.parametrize("stage, dtype", [(1, "fp32"), (2, "fp16"), (2, "bf16")])
 def test_engine_steps_fused_adam_with_the_kernel_on_gpu(stage, dtype):
-    """The config type alone picks the kernel on cuda; the same config with "Adam" is torch's."""
+    """The config type fused_adam_cuda picks the kernel on cuda; "FusedAdam" is torch's fused Adam."""
     import zkit
     from zkit_cuda_numba.fused_adam import FusedAdamCUDA
 
@@ -65,8 +65,8 @@ def test_engine_steps_fused_adam_with_the_kernel_on_gpu(stage, dtype):
             engine.step()
         return engine
 
-    ours, ref = train("FusedAdam"), train("Adam")
-    assert isinstance(ours.optimizer, FusedAdamCUDA) and ref.records["optimizer"].name == "adam"
+    ours, ref = train("fused_adam_cuda"), train("FusedAdam")
+    assert isinstance(ours.optimizer, FusedAdamCUDA) and ref.records["optimizer"].name == "adam"  # torch's
     tol = 1e-5 if dtype == "fp32" else 1e-2
     for p, q in zip(ours.module.parameters(), ref.module.parameters()):
         torch.testing.assert_close(p.float(), q.float(), atol=tol, rtol=tol)

@@ -8,8 +8,8 @@ The config's ``optimizer.params`` keep DeepSpeed's names and meanings:
   ``"AdamW"`` is always decoupled. ``weight_decay`` defaults to 0 for both (DeepSpeed's default,
   not torch's 0.01 for AdamW). ``torch_adam`` is accepted: zkit always steps with torch's Adam.
 * ``"FusedAdam"`` (``"fused_adam"``), DeepSpeed's name for the optimizer it steps for ``"Adam"`` on
-  a GPU, is ``"Adam"`` here. On a CUDA device with zkit-cuda-numba installed, that plugin answers
-  the name with its Numba kernel instead (``fused_adam_cuda``, the same settings).
+  a GPU, is ``"Adam"`` here, on every device: torch's fused kernel. zkit-cuda-numba's Numba kernel
+  is chosen by its own name (``fused_adam_cuda``, the same settings); it is slower than torch's.
 * Each torch optimizer runs ``fused=True`` when torch has a fused kernel for every parameter's
   device and dtype (CPU and CUDA, all floating dtypes), else ``foreach``. ``fused``/``foreach``
   in the params override that choice.
