@@ -15,8 +15,8 @@ Each attempt runs in a child process inside its own memory cgroup (``--cap-gib``
 :mod:`bench_offload_common`), so a size that does not fit is killed by the kernel. Sizes are GPT
 depths at a fixed width: doubled from 1 layer until an attempt fails, then bisected between the
 last success and the first failure (``--depths`` tries given depths instead). Reported: parameters,
-the cgroup's peak (anonymous memory and page cache), the child's peak RSS and the median step time;
-for the NVMe contestants also the bytes read and written per step (``/proc/self/io``) and the disk
+the cgroup's peak (anonymous memory and page cache), the child's peak RSS and the step time (the
+median of the steps after the first, which creates the optimizer state); for the NVMe contestants also the bytes read and written per step (``/proc/self/io``) and the disk
 bound: those bytes at the swapper's read and write bandwidth, measured at the start of the run. Example (about an hour at 4 GiB)::
 
     python contrib/bench/bench_offload_scale.py --cap-gib 4 --nvme-path /tmp \\
@@ -47,15 +47,16 @@ def gpt_config(layers: int, d_model: int):
     return GPTConfig(vocab_size=8192, seq_len=64, n_layer=layers, n_head=max(1, d_model // 64), d_model=d_model)
 
 
-def offload_config(variant: str, nvme_path: str, param_buffers: int = 3) -> dict[str, Any]:
+def offload_config(variant: str, nvme_path: str, param_buffers: int = 3, opt_buffers: int = 2) -> dict[str, Any]:
     """The zkit / DeepSpeed config (the same keys for both) of an offload contestant;
-    ``param_buffers``: ``offload_param.buffer_count`` with NVMe."""
+    ``param_buffers``: ``offload_param.buffer_count`` with NVMe, ``opt_buffers``:
+    ``offload_optimizer.buffer_count``."""
     device = variant.split("-", 1)[1]
     opt: dict[str, Any] = {"device": device, "pin_memory": False}
     param: dict[str, Any] = {"device": device, "pin_memory": False}
     if device == "nvme":
         # small host buffers: 2 sub-groups of 5M elements' state, 3 parameter shards by default
-        opt.update(nvme_path=nvme_path, buffer_count=2)
+        opt.update(nvme_path=nvme_path, buffer_count=opt_buffers)
         param.update(nvme_path=nvme_path, buffer_count=param_buffers, buffer_size=100_000_000, max_in_cpu=0)
     return {
         "train_micro_batch_size_per_gpu": 1,
@@ -76,6 +77,14 @@ def offload_config(variant: str, nvme_path: str, param_buffers: int = 3) -> dict
     }
 
 
+def steady_step(times: list[float]) -> int:
+    """The index of the step an attempt reports: the median of the steps after the first (the
+    slower of two). The first step creates the optimizer state, so it reads no moments from NVMe
+    and moves a third fewer bytes than every later step."""
+    later = list(range(1, len(times))) or [0]
+    return sorted(later, key=times.__getitem__)[len(later) // 2]
+
+
 # -- child side -------------------------------------------------------------------------------------
 def _peak_rss() -> int:
     with open("/proc/self/status") as f:
@@ -85,7 +94,8 @@ def _peak_rss() -> int:
     return 0
 
 
-def child(variant: str, layers: int, d_model: int, nvme_path: str, param_buffers: int = 3) -> dict[str, Any]:
+def child(variant: str, layers: int, d_model: int, nvme_path: str, param_buffers: int = 3,
+          opt_buffers: int = 2) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -99,7 +109,7 @@ def child(variant: str, layers: int, d_model: int, nvme_path: str, param_buffers
     dist.init_process_group("gloo", rank=0, world_size=1)
     cfg = gpt_config(layers, d_model)
     torch.manual_seed(0)
-    config = offload_config(variant, nvme_path, param_buffers) if variant != "torch" else None
+    config = offload_config(variant, nvme_path, param_buffers, opt_buffers) if variant != "torch" else None
     if variant.startswith("zkit"):
         import zkit.zero
 
@@ -190,7 +200,8 @@ def _attempt(variant: str, layers: int, args: argparse.Namespace, nvme_dir: str)
 
     python = args.ds_python if variant.startswith("ds") else sys.executable
     cmd = [python, os.path.abspath(__file__), "--child", variant, "--layers", str(layers),
-           "--d-model", str(args.d_model), "--nvme-path", nvme_dir, "--param-buffers", str(args.param_buffers)]
+           "--d-model", str(args.d_model), "--nvme-path", nvme_dir, "--param-buffers", str(args.param_buffers),
+           "--opt-buffers", str(args.opt_buffers)]
     env = dict(os.environ, OMP_NUM_THREADS="2", NUMBA_NUM_THREADS="2", PYTHONNOUSERSITE="1",
                PYTHONWARNINGS="ignore")
     if variant.startswith("ds"):
@@ -221,7 +232,7 @@ def search(variant: str, args: argparse.Namespace, log) -> tuple[int, dict[str, 
         r = attempt(variant, layers, args)
         tried.append((layers, r))
         log(f"  {variant:9s} {layers:4d} layers: " + (f"ok, {r['params'] / 1e6:.0f}M params, cgroup peak "
-            f"{r['cgroup_peak'] / 2**30:.2f} GiB, step {sorted(r['times'])[1]:.1f} s" if r["ok"] else r["note"]))
+            f"{r['cgroup_peak'] / 2**30:.2f} GiB, step {r['times'][steady_step(r['times'])]:.1f} s" if r["ok"] else r["note"]))
         return r["ok"]
 
     if args.depths:  # given depths, in order, until one fails
@@ -266,12 +277,16 @@ def main(argv: list[str] | None = None) -> int:
                    help="PNG of step time and cgroup peak against model size ('' for none; needs matplotlib)")
     p.add_argument("--param-buffers", type=int, default=3,
                    help="offload_param.buffer_count of the NVMe contestants (parameter shards read ahead)")
+    p.add_argument("--opt-buffers", type=int, default=2,
+                   help="offload_optimizer.buffer_count of the NVMe contestants (sub-groups of optimizer state in "
+                        "host memory: 2 makes a read wait for the write before it, 3 or more overlap them)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     sys.path[:0] = [HERE, REPO]
     if args.child:
-        print(RESULT + json.dumps(child(args.child, args.layers, args.d_model, args.nvme_path, args.param_buffers)),
+        print(RESULT + json.dumps(child(args.child, args.layers, args.d_model, args.nvme_path, args.param_buffers,
+                                          args.opt_buffers)),
               flush=True)
         return 0
     variants = [v for v in args.variants.split(",") if v and (args.ds_python or not v.startswith("ds"))]
@@ -303,11 +318,11 @@ def main(argv: list[str] | None = None) -> int:
           f"load average {os.getloadavg()[0]:.1f}")
     print_size_table(rows, [("cgroup peak GiB", lambda b: f"{b['cgroup_peak'] / 2**30:.2f}"),
                             ("peak RSS GiB", lambda b: f"{b['peak_rss'] / 2**30:.2f}"),
-                            ("step s", lambda b: f"{sorted(b['times'])[1]:.2f}")])
+                            ("step s", lambda b: f"{b['times'][steady_step(b['times'])]:.2f}")])
     if disks is not None:
         names = list(disks)
         bound = lambda r, w, name: r / (disks[name][1] * 1e9) + w / (disks[name][0] * 1e9)  # noqa: E731
-        print("\nDisk traffic per step (median step; /proc/self/io) against the disk bound: bytes read / read "
+        print("\nDisk traffic per step (the median of the steps after the first; /proc/self/io) against the disk bound: bytes read / read "
               "bandwidth + bytes written / write bandwidth, with the swapper's bandwidth measured in this run (mean of a probe before and one after) "
               + " and ".join(f"{n} ({disks[n][1]:.2f} GB/s read, {disks[n][0]:.2f} GB/s write)" for n in names) + ":")
         print("| contestant | params | read GB | written GB | bytes / param | step s | "
@@ -317,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         for v, layers, b in rows:
             if b is None or "io" not in b or not v.endswith("nvme"):
                 continue
-            i = sorted(range(len(b["times"])), key=b["times"].__getitem__)[len(b["times"]) // 2]
+            i = steady_step(b["times"])
             read, written = b["io"][i]
             cells = " | ".join(f"{bound(read, written, n):.1f} | {b['times'][i] / bound(read, written, n):.2f}" for n in names)
             print(f"| {v} | {b['params'] / 1e6:.0f}M | {read / 1e9:.2f} | {written / 1e9:.2f} | "
@@ -337,11 +352,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def size_series(variant: str, tried: list[tuple[int, dict[str, Any]]], d_model: int):
-    """A contestant's attempts as a plot series: the sizes that trained (median step, cgroup
+    """A contestant's attempts as a plot series: the sizes that trained (steady step, cgroup
     peak) in order of size, and the smallest that failed."""
     from bench_plots import Series
 
-    good = sorted((r["params"], sorted(r["times"])[len(r["times"]) // 2], r["cgroup_peak"])
+    good = sorted((r["params"], r["times"][steady_step(r["times"])], r["cgroup_peak"])
                   for _, r in tried if r["ok"])
     failed = sorted(layers for layers, r in tried if not r["ok"])
     failed_at = gpt_config(failed[0], d_model).num_parameters() if failed else None

@@ -152,6 +152,16 @@ def test_scale_plot_draws_each_contestant_or_says_why_not(tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_offload_scale_reports_a_step_after_the_first():
+    """The first step creates the optimizer state (with NVMe it reads no moments): never reported
+    when later steps exist; of later steps the median, the slower of two."""
+    from bench_offload_scale import steady_step
+
+    assert steady_step([9.0, 1.0, 2.0]) == 2  # the first step was the median of all three
+    assert steady_step([0.5, 3.0, 2.0, 1.0]) == 2  # the median of 3.0, 2.0 and 1.0
+    assert steady_step([4.0]) == 0
+
+
 def test_offload_scale_series_orders_the_sizes_that_trained_and_names_the_smallest_failure():
     import bench_offload_scale
 
@@ -160,5 +170,5 @@ def test_offload_scale_series_orders_the_sizes_that_trained_and_names_the_smalle
              (4, {"ok": False, "note": "killed at the memory cap"}),
              (2, {"ok": True, "params": 34, "times": [2.0, 2.5, 2.0], "cgroup_peak": 7})]
     series = bench_offload_scale.size_series("torch", tried, 1024)
-    assert series.points == [(21, 2.0, 5), (34, 2.0, 7)]  # by size, the median step
+    assert series.points == [(21, 2.0, 5), (34, 2.5, 7)]  # by size, the slower of the steps after the first
     assert series.failed_at == bench_offload_scale.gpt_config(4, 1024).num_parameters()
