@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 import zkit
+from zkit.plugins import PluginError
 from zkit.records import OptimizerRecord
 
 from zkit_cuda_numba import runtime
@@ -57,6 +58,19 @@ def zkit_register_optimizers():
     if runtime.unavailable_reason() is not None:
         return
     yield FUSED_ADAM
+
+
+@zkit.hookimpl
+def zkit_configure(config):
+    """A config that names the kernel where it cannot run is refused here, at initialize, with
+    the reason (the record is not registered, so the name alone would read as a typo)."""
+    optimizer = config.optimizer
+    named = optimizer is not None and (optimizer.type or "").strip().lower() in (FUSED_ADAM.name, *FUSED_ADAM.aliases)
+    reason = runtime.unavailable_reason() if named else None
+    if reason is not None:
+        raise PluginError(f"optimizer {optimizer.type!r} is zkit-cuda-numba's Numba kernel, which cannot run here: "
+                          f"{reason}. Use \"Adam\" or \"FusedAdam\" (torch's fused Adam) instead")
+    return None
 
 
 @zkit.hookimpl
