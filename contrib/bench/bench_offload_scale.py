@@ -16,8 +16,10 @@ Each attempt runs in a child process inside its own memory cgroup (``--cap-gib``
 depths at a fixed width: doubled from 1 layer until an attempt fails, then bisected between the
 last success and the first failure (``--depths`` tries given depths instead). Reported: parameters,
 the cgroup's peak (anonymous memory and page cache), the child's peak RSS and the step time (the
-median of the steps after the first, which creates the optimizer state); for the NVMe contestants also the bytes read and written per step (``/proc/self/io``) and the disk
-bound: those bytes at the swapper's read and write bandwidth, measured at the start of the run. Example (about an hour at 4 GiB)::
+median of the steps after the first, which creates the optimizer state); for the NVMe contestants
+also the bytes read and written per step (``/proc/self/io``) and the disk bound: those bytes at the
+swapper's read and write bandwidth, measured at the start of the run. Example (about an hour at
+4 GiB)::
 
     python contrib/bench/bench_offload_scale.py --cap-gib 4 --nvme-path /tmp \\
         --ds-python /tmp/dsvenv/bin/python
