@@ -151,6 +151,58 @@ def test_bf16_trains_and_keeps_an_fp32_master():
     engine.close()
 
 
+CHECKPOINT_CONFIGS = {
+    "stage0": {"zero_optimization": {"stage": 0}},
+    "stage1": {"zero_optimization": {"stage": 1}},
+    "stage2-bf16": {"zero_optimization": {"stage": 2}, **DTYPES["bf16"]},
+    "stage3": {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}},
+    "stage2-cpu-offload": {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}},
+    "stage3-cpu-offload": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"},
+                                                 "offload_param": {"device": "cpu", "pin_memory": True}}},
+    "stage3-nvme": {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "NVME"},
+                                          "offload_param": {"device": "nvme", "nvme_path": "NVME"}}},
+}
+
+
+@pytest.mark.parametrize("name", list(CHECKPOINT_CONFIGS))
+def test_a_checkpoint_saved_on_the_device_resumes_as_the_run_without_a_stop(name, tmp_path):
+    """Two steps, a checkpoint, two more steps; a new engine loads the checkpoint and takes the
+    same two steps: the same parameters, with the model on the device and the master where the
+    config keeps it."""
+    import json
+
+    config = json.loads(json.dumps(CHECKPOINT_CONFIGS[name]).replace("NVME", str(tmp_path)))
+    batches = _batches(4)
+    cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 1000,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, **config}
+
+    def steps(engine, xs):
+        for x in xs:
+            engine.backward(engine(x.cuda().to(engine.dtype)).float().pow(2).mean())
+            engine.step()
+
+    def params(engine):
+        with zkit.zero.GatheredParameters(list(engine.module.parameters())):
+            return [p.detach().float().clone() for p in engine.module.parameters()]
+
+    first, *_ = zkit.initialize(model=_model(), config=cfg)
+    steps(first, batches[:2])
+    first.save_checkpoint(str(tmp_path / "ckpt"), tag="two")
+    steps(first, batches[2:])
+    straight = params(first)
+    first.close()
+
+    resumed, *_ = zkit.initialize(model=_model(), config=cfg)
+    path, _ = resumed.load_checkpoint(str(tmp_path / "ckpt"), tag="two")
+    assert path is not None
+    assert resumed.global_steps == 2
+    assert all(p.is_cuda for p in resumed.module.parameters())
+    steps(resumed, batches[2:])
+    for a, b in zip(params(resumed), straight):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    resumed.close()
+
+
 def test_onebit_adam_runs_on_the_device():
     cfg = {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "freeze_step": 2}}}
     _, engine = _train({**cfg, "zero_optimization": {"stage": 0}}, _batches(4))

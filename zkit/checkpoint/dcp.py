@@ -31,6 +31,7 @@ from zkit.checkpoint.consolidate import (
     DTYPES, _RankFiles, _checkpoint_directory, _piece_sources, _source,
 )
 from zkit.checkpoint.errors import CheckpointError
+from zkit.checkpoint.optim_state import StatePlacer
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.engine import Engine
@@ -171,6 +172,7 @@ def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool) -> t
     for pc in pieces:
         by_name.setdefault(pc.name, []).append(pc)
     state_keys = {}
+    placer = StatePlacer(engine.optimizer)
     if load_optimizer_states:
         for key in stored:
             if key.startswith("optimizer.state."):
@@ -203,11 +205,10 @@ def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool) -> t
                 for skey in state_keys[name]:
                     value = wanted[f"optimizer.state.{name}.{skey}"]
                     if value.dim() > 0 and value.numel() == flat.numel():
-                        slot[skey] = value.reshape(-1)[pc.start:pc.end].clone().to(pc.opt_param.device).view(
-                            pc.opt_param.shape)
+                        slot[skey] = value.reshape(-1)[pc.start:pc.end].clone()
                     else:
                         slot[skey] = value.clone()
-                engine.optimizer.state[pc.opt_param] = slot
+                engine.optimizer.state[pc.opt_param] = placer.place(pc.opt_param, slot)
     part.after_load(pieces)
     getattr(engine, "world_comm", engine.comm).barrier()
     if engine.rank == 0:

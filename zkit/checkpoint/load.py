@@ -14,6 +14,7 @@ from zkit.checkpoint.deepspeed.layout import looks_like_deepspeed
 from zkit.checkpoint.digest import VerifiedCopies
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import META, file_digests, load_rank_file, rank_file, read_meta, resolve_tag
+from zkit.checkpoint.optim_state import StatePlacer
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,12 +69,14 @@ def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
 class _Filler:
     """Copies saved ranges into one owned piece and checks the piece ends up fully covered."""
 
-    def __init__(self, piece: "Piece", engine: "Engine", with_state: bool, copy: Copy) -> None:
+    def __init__(self, piece: "Piece", engine: "Engine", with_state: bool, copy: Copy,
+                 placer: StatePlacer | None) -> None:
         self.piece = piece
         self.covered = 0
         self.with_state = with_state
         self.state: dict[str, Any] = {}
         self.optimizer = engine.optimizer
+        self.placer = placer
         self.copy = copy
 
     def fill(self, saved: dict[str, Any], where: Path) -> None:
@@ -108,11 +111,7 @@ class _Filler:
                 f"[{p.start}, {p.end}) of parameter {p.name!r}"
             )
         if self.with_state and self.state:
-            ref = p.opt_param
-            self.optimizer.state[ref] = {
-                k: (v.to(ref.device).view(ref.shape) if torch.is_tensor(v) and v.dim() > 0 else v)
-                for k, v in self.state.items()
-            }
+            self.optimizer.state[p.opt_param] = self.placer.place(p.opt_param, self.state)
 
 
 def fill_pieces(
@@ -132,8 +131,9 @@ def fill_pieces(
     ``partitioner.after_load``."""
     pieces = engine.partitioner.pieces()
     fillers: dict[str, list[_Filler]] = {}
+    placer = StatePlacer(engine.optimizer) if with_state else None
     for piece in pieces:
-        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, with_state, copy))
+        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, with_state, copy, placer))
     for fname, entries in index.items():
         if not any(
             f.piece.start < end and start < f.piece.end
