@@ -156,7 +156,6 @@ def failure_note(text: str) -> str:
     return (errors or lines or ["failed"])[-1][:160]
 
 
-
 def plot(searches: list[tuple[str, int, list[Attempt]]], estimates: dict[int, int], cap_bytes: int, world: int,
          path: str) -> str:
     """Step time and peak resident set (all ranks) against parameters, one line per contestant
