@@ -25,6 +25,8 @@ FEATURES: dict[str, str] = {
     "zero3": "ZeRO stage 3",
     "cpu_offload": "offload_optimizer cpu (stage 2 unless a stage is given)",
     "nvme_offload": "offload_optimizer nvme (stage 2 unless a stage is given)",
+    "step_in_backward": "offload_optimizer nvme with step_in_backward: each sub-group steps during the batch's last "
+                        "backward (stage 2 unless a stage is given)",
     "param_offload": "offload_param cpu (stage 3)",
     "bf16": "bf16 training",
     "fp16": "fp16 training, dynamic loss scale",
@@ -93,12 +95,24 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
        for offload in ("cpu_offload", "param_offload")},
     ("nvme_offload", "zeroone_adam"): ("as for onebit_adam: state swapped from NVMe is stepped sub-group by "
                                        "sub-group", ("zerooneadam", "nvme")),
+    ("zero1", "step_in_backward"): ("stage 1 keeps the master in memory: there is no sub-group of master and "
+                                    "gradients to step", ("step_in_backward", "stage 2 or 3", "stage 1")),
+    ("step_in_backward", "fp16"): ("the loss scaler skips an overflowing step, known only after the last gradient",
+                                   ("step_in_backward", "fp16.enabled")),
+    ("step_in_backward", "clipping"): ("clipping needs the global norm, known only after the last gradient",
+                                       ("step_in_backward", "gradient_clipping")),
+    ("step_in_backward", "onebit_adam"): ("as for nvme_offload", ("onebitadam", "nvme")),
+    ("step_in_backward", "client_sgd"): ("as for nvme_offload", ("sgd", "nvme")),
+    ("step_in_backward", "custom_allocator"): ("as for nvme_offload", ("allocator 'nvme'", "allocator='counting'",
+                                                                       "offload")),
+    ("step_in_backward", "zeroone_adam"): ("as for nvme_offload", ("zerooneadam", "nvme")),
 }
 #: two values of one setting, not a combination: the stage pairs and bf16 x fp16 must be refused
-#: by the config; the two offload devices, the two 1-bit optimizers and the two pipeline layouts
-#: are one key's (or one model's) two values
+#: by the config; the two offload devices (step_in_backward is NVMe offload with one more key), the
+#: two 1-bit optimizers and the two pipeline layouts are one key's (or one model's) two values
 NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"), ("bf16", "fp16"),
-                     ("cpu_offload", "nvme_offload"), ("onebit_adam", "zeroone_adam"), ("pipeline", "pipeline_dp")}
+                     ("cpu_offload", "nvme_offload"), ("onebit_adam", "zeroone_adam"), ("pipeline", "pipeline_dp"),
+                     ("cpu_offload", "step_in_backward"), ("nvme_offload", "step_in_backward")}
 #: pairs the matrix does not run, and the test that covers them (or why none does)
 ELSEWHERE: dict[tuple[str, str], str] = {
     ("pipeline", "tied_weights"): "an embedding tied to the head across the 2 stages (TiedLayerSpec): "
@@ -163,10 +177,12 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
     if "param_offload" in features:
         zero["stage"] = zero["stage"] or 3
         zero["offload_param"] = {"device": "cpu"}
-    if "cpu_offload" in features or "nvme_offload" in features:
+    if {"cpu_offload", "nvme_offload", "step_in_backward"} & set(features):
         zero["stage"] = zero["stage"] or 2
-        device = "nvme" if "nvme_offload" in features else "cpu"
+        device = "cpu" if "cpu_offload" in features else "nvme"
         zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
+        if "step_in_backward" in features:
+            zero["offload_optimizer"]["step_in_backward"] = True
     # a global batch of 4 rows: one data-parallel replica takes them in 2 micro-batches of 2
     micro, accum = (2, 2) if replicas(features) == 1 else (2, 1)
     if "grad_accum" in features:

@@ -70,6 +70,8 @@ def _engine(features: tuple[str, ...], cfg: dict):
         from zkit_onebit import OneBitCommunicator
 
         assert isinstance(engine.comm, OneBitCommunicator), f"the engine reduces through {engine.comm!r}"
+    if "step_in_backward" in features:  # the cell proves nothing if the key did not reach the store
+        assert engine.partitioner.master_store.step_in_backward, "the master store does not step in backward"
     if "pipeline_dp" in features:
         assert engine.comm.world_size == 2, f"{engine.comm.world_size} data-parallel replicas, not 2"
     if "block_sparse" in features:  # (its reference is itself: it must be the sparse kernel)

@@ -501,7 +501,7 @@ class Engine(torch.nn.Module):
         if overflow:
             self.skipped_steps += 1
             self._grad_norm = None
-            self.partitioner.zero_grad()
+            self.partitioner.skip_step()
             self._skip_nonfinite_step()
             return False
         self._nonfinite_in_a_row = 0

@@ -11,7 +11,7 @@ and at a gradient-accumulation boundary::
 
     norm = partitioner.grad_norm()                 # global L2 norm of the (scaled) gradients
     partitioner.step(grad_factor)                  # unscale/clip by grad_factor, step, refresh params
-    partitioner.zero_grad()
+    partitioner.zero_grad()                        # (skip_step() instead when the step is skipped)
 
 A partitioner owns the optimizer (:attr:`Partitioner.optimizer`, built from the context's optimizer
 record over the *master* tensors it keeps) so that the LR schedule and user code see one torch
@@ -163,6 +163,12 @@ class Partitioner(abc.ABC):
     @abc.abstractmethod
     def zero_grad(self) -> None:
         """Forget the accumulated gradients."""
+
+    def skip_step(self) -> None:
+        """Forget the batch without stepping (its loss or gradients were not finite). A
+        partitioner that applied part of the step already raises :class:`FloatingPointError`
+        saying so. Default: :meth:`zero_grad`."""
+        self.zero_grad()
 
     def step_kernel(self) -> str:
         """What :meth:`step` runs, in words, for the step log (logged once, at the first step)."""

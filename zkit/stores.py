@@ -30,6 +30,19 @@ class MasterStore(Protocol):
         """Add one micro-step's reduced gradient shard (any device, any float dtype) to what the
         batch accumulated; ``grad`` may be reused on return."""
 
+    def begin_last_backward(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]],
+                            publish: Callable[[int, torch.Tensor], None]) -> None:
+        """The backward that ends a batch is about to run (arguments as for :meth:`step`). A store
+        may step parts of the batch as their gradients complete; :meth:`step` then finishes that
+        step. A store that steps only in :meth:`step` does nothing here."""
+
+    @property
+    def stepped_in_backward(self) -> bool:
+        """Whether the batch's step began in backward (so it can no longer be skipped)."""
+
+    def cancel_backward_step(self) -> None:
+        """Drop a step begun in backward (the job is stopping); nothing when none began."""
+
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of this rank's accumulated gradients."""
 

@@ -5,6 +5,8 @@ Contestants, one process each (world size 1, gloo), fp32, Adam, one fixed batch:
 * ``torch``: plain PyTorch, ``torch.optim.Adam(fused=True)``;
 * ``zkit-cpu``: zkit stage 3, ``offload_optimizer`` and ``offload_param`` on ``cpu``;
 * ``zkit-nvme``: zkit stage 3, both on ``nvme`` (``max_in_cpu`` 0: every shard in swap files);
+* ``zkit-nvme-sib``: the same with ``offload_optimizer.step_in_backward`` (each sub-group steps
+  during backward as soon as its gradients are complete);
 * ``ds-cpu`` / ``ds-nvme``: DeepSpeed's equivalents (same config keys), in DeepSpeed's interpreter.
 
 zkit builds the model under ``zkit.zero.Init(config=...)``, as a user training a model larger than
@@ -39,7 +41,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 RESULT = "OFFLOAD_SCALE_RESULT "
-VARIANTS = ("torch", "zkit-cpu", "zkit-nvme", "ds-cpu", "ds-nvme")
+VARIANTS = ("torch", "zkit-cpu", "zkit-nvme", "zkit-nvme-sib", "ds-cpu", "ds-nvme")
 STEPS = 3
 
 
@@ -53,8 +55,10 @@ def offload_config(variant: str, nvme_path: str, param_buffers: int = 3, opt_buf
     """The zkit / DeepSpeed config (the same keys for both) of an offload contestant;
     ``param_buffers``: ``offload_param.buffer_count`` with NVMe, ``opt_buffers``:
     ``offload_optimizer.buffer_count``."""
-    device = variant.split("-", 1)[1]
+    device = variant.split("-")[1]
     opt: dict[str, Any] = {"device": device, "pin_memory": False}
+    if variant.endswith("-sib"):
+        opt["step_in_backward"] = True
     param: dict[str, Any] = {"device": device, "pin_memory": False}
     if device == "nvme":
         # small host buffers: 2 sub-groups of 5M elements' state, 3 parameter shards by default
@@ -296,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     log(f"cap {args.cap_gib} GiB per attempt, width {args.d_model}, load average {os.getloadavg()}")
     disks = None
-    probe_disk = args.disk_mb and any(v.endswith("nvme") for v in variants)
+    probe_disk = args.disk_mb and any("nvme" in v for v in variants)
     if probe_disk:
         disks = disk_bandwidth(args.nvme_path, args.disk_mb)
         for name, (w, r) in disks.items():
@@ -332,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         print("|---|---|---|---|---|---|" + "---|---|" * len(names))
         phase_lines = []
         for v, layers, b in rows:
-            if b is None or "io" not in b or not v.endswith("nvme"):
+            if b is None or "io" not in b or "nvme" not in v:
                 continue
             i = steady_step(b["times"])
             read, written = b["io"][i]

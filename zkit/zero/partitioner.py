@@ -306,6 +306,18 @@ class ZeroPartitioner(Partitioner):
         else:
             self.publish_params()
 
+    def skip_step(self) -> None:
+        if self.master_store is not None and self.master_store.stepped_in_backward:
+            self.master_store.cancel_backward_step()
+            raise FloatingPointError(
+                "the loss or the gradients are NaN or infinite, and with zero_optimization.offload_optimizer."
+                "step_in_backward each sub-group stepped during backward as soon as its gradients were complete "
+                "(those before the first non-finite one), so this step cannot be skipped; training stopped. "
+                "Resume from the last checkpoint; without step_in_backward, zkit skips such steps (up to "
+                "nonfinite_steps_limit in a row)"
+            )
+        super().skip_step()
+
     def step_kernel(self) -> str:
         """What the optimizer step runs, for the step log."""
         name = type(self.optimizer).__name__

@@ -227,11 +227,19 @@ class NVMeAllocator(HostAllocator):
         tensors in host buffers, reading ahead and writing behind (buffer_count buffer sets).
         ``fresh``: sub-groups that start zero-filled (no read); by default those never written;
         ``fresh_names`` and ``read_only`` as in :func:`~zkit_offload.pipeline.step_in_subgroups`."""
+        buffers = self.subgroup_buffers(subgroups)
+        if fresh is None:
+            fresh = set(range(len(subgroups))) - self._stepped
+        step_in_subgroups(self.swapper, subgroups, step, buffers, fresh=fresh, fresh_names=fresh_names,
+                          read_only=read_only)
+        self._stepped.update(range(len(subgroups)))
+
+    def subgroup_buffers(self, subgroups: Sequence[Mapping[str, int]]) -> SubGroupBuffers:
+        """The ``buffer_count`` host buffer sets that sub-groups (``{name: numel}``) stream through
+        (made once), with a swap file registered for each of their tensors."""
         if self._buffers is None:
             self._buffers = SubGroupBuffers(subgroups, max(2, self.optimizer_config.buffer_count))
             self.track("optim_state", sum(t.numel() * t.element_size() for s in self._buffers.sets for t in s.values()))
-        if fresh is None:
-            fresh = set(range(len(subgroups))) - self._stepped
         # Every file exists, at full size, before the first sub-group steps: a full disk stops the
         # first step before it changes anything, instead of half-way through it.
         known = set(self.swapper.keys())
@@ -239,9 +247,7 @@ class NVMeAllocator(HostAllocator):
             for name, n in sg.items():
                 if subgroup_key(i, name) not in known:
                     self.swapper.register(subgroup_key(i, name), n * self._buffers.sets[0][name].element_size())
-        step_in_subgroups(self.swapper, subgroups, step, self._buffers, fresh=fresh, fresh_names=fresh_names,
-                          read_only=read_only)
-        self._stepped.update(range(len(subgroups)))
+        return self._buffers
 
     def close(self) -> None:
         """Finish pending writes, delete the swap files and stop the I/O threads."""

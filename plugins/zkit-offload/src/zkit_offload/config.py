@@ -67,6 +67,9 @@ class OffloadOptimizerConfig(_FromDict):
     fast_init: bool = attrs.field(default=False, validator=v.instance_of(bool), metadata={
         "hint": "zkit-offload writes the initial swap files sub-group by sub-group, with no extra pass"})
     ratio: float = attrs.field(default=1.0, converter=float, validator=[v.ge(0.0), v.le(1.0)])
+    #: zkit's own key: step each sub-group during the backward that ends a batch, as soon as its
+    #: gradients are complete (device ``nvme``, stages 2-3; no clipping, no fp16)
+    step_in_backward: bool = attrs.field(default=False, validator=v.instance_of(bool))
 
 
 @attrs.frozen(kw_only=True)
@@ -109,6 +112,29 @@ def check_supported(optimizer: OffloadOptimizerConfig, aio: AioConfig) -> None:
     if aio.use_gds:
         raise ValueError("aio.use_gds=true: GPUDirect Storage is not supported by zkit-offload; "
                          "set it to false (NVMe swaps go through pinned host buffers)")
+    if optimizer.step_in_backward and optimizer.device != "nvme":
+        raise ValueError(f"zero_optimization.offload_optimizer.step_in_backward needs device 'nvme' (got "
+                         f"{optimizer.device!r}): it saves the gradients' round trip through the NVMe files")
     if optimizer.device != "none" and optimizer.ratio != 1.0:
         raise ValueError(f"zero_optimization.offload_optimizer.ratio={optimizer.ratio}: partial optimizer "
                          "offload is not supported; use 1.0 (offload all) or device 'none'")
+
+
+def check_step_in_backward(optimizer: OffloadOptimizerConfig, stage: int | None, gradient_clipping: float,
+                           fp16: bool) -> None:
+    """Refuse what ``step_in_backward`` cannot honour: a sub-group steps before the last gradient
+    of the batch exists, so nothing may need all of them first."""
+    if not optimizer.step_in_backward:
+        return
+    key = "zero_optimization.offload_optimizer.step_in_backward"
+    if stage is not None and stage < 2:
+        raise ValueError(f"{key} needs ZeRO stage 2 or 3 (the stages that keep the master on NVMe); this config "
+                         f"has zero_optimization.stage {stage}")
+    if gradient_clipping > 0:
+        raise ValueError(f"{key} cannot run with gradient_clipping {gradient_clipping}: clipping scales every "
+                         "gradient by the global norm, which is known only after the last gradient, and "
+                         "step_in_backward steps sub-groups before that. Drop one of the two")
+    if fp16:
+        raise ValueError(f"{key} cannot run with fp16.enabled: the loss scaler skips a step whose gradients "
+                         "overflowed, which is known only after the last gradient, and step_in_backward steps "
+                         "sub-groups before that. Use bf16, or drop step_in_backward")

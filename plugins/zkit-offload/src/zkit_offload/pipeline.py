@@ -75,7 +75,7 @@ def step_in_subgroups(
                 t.zero_()
             else:
                 handles.append(swapper.swap_in(subgroup_key(i, name), t))
-        reads[i] = _All(handles)
+        reads[i] = HandleGroup(handles)
 
     try:
         if n:
@@ -87,7 +87,7 @@ def step_in_subgroups(
                 reads[i].wait()
             views = buffers.views(i % slots, subgroups[i])
             step(i, views)
-            writes[i] = _All([swapper.swap_out(subgroup_key(i, name), t) for name, t in views.items()
+            writes[i] = HandleGroup([swapper.swap_out(subgroup_key(i, name), t) for name, t in views.items()
                               if name not in read_only])
     finally:
         errors = []
@@ -101,11 +101,15 @@ def step_in_subgroups(
             raise errors[0]
 
 
-class _All:
-    """Several handles waited on as one."""
+class HandleGroup:
+    """Several swap handles waited on as one."""
 
     def __init__(self, handles: list[SwapHandle]) -> None:
         self.handles = handles
+
+    def done(self) -> bool:
+        """Whether every request has finished (without raising its error: :meth:`wait` does)."""
+        return all(h.done() for h in self.handles)
 
     def wait(self) -> None:
         errors = []

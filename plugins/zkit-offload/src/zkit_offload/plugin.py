@@ -10,7 +10,8 @@ from typing import Any
 import zkit
 from zkit.records import AllocatorRecord, ConfigSectionRecord, OptimizerRecord
 
-from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_supported
+from zkit_offload.config import (AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_step_in_backward,
+                                 check_supported)
 
 #: Config optimizer types (lower case) and the CPU optimizer that replaces each under offload.
 CPU_OPTIMIZER_FOR = {"adam": "cpu_adam", "adamw": "cpu_adamw", "adagrad": "cpu_adagrad", "lion": "cpu_lion",
@@ -147,6 +148,8 @@ def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfi
 def zkit_configure(config):
     optimizer = getattr(config, "optimizer", None)
     zero = getattr(config, "zero_optimization", None)
+    check_step_in_backward(config.section(OffloadOptimizerConfig.SECTION) or OffloadOptimizerConfig(),
+                           getattr(zero, "stage", None), config.gradient_clipping, config.fp16.enabled)
     return choose_stack(
         config.section(OffloadOptimizerConfig.SECTION),
         config.section(AioConfig.SECTION),

@@ -16,6 +16,11 @@ micro-step, converts it to fp32 in one of two staging buffers (adding what the f
 earlier micro-step of the batch wrote the unit), notes its squared norm for clipping and the
 overflow check, and writes it back asynchronously while backward goes on.
 
+**Step in backward.** With ``offload_optimizer.step_in_backward``, the partitioner calls
+:meth:`SwappedMasterStore.begin_last_backward` before the backward that ends a batch, and each
+sub-group steps as soon as its gradients are complete (:mod:`zkit_offload.backward_step`): the
+gradients of that micro-step stay in host buffers instead of going to the disk.
+
 **Step.** :meth:`SwappedMasterStore.step` runs the sub-group pipeline
 (:func:`~zkit_offload.pipeline.step_in_subgroups`): read master, gradient and state of sub-group
 ``i+1`` while ``i`` steps and ``i-1`` is written back. During a sub-group's step its optimizer
@@ -31,6 +36,7 @@ import torch
 
 from zkit.zero.flat import pack_aligned
 from zkit.host_memory import trim
+from zkit_offload.backward_step import BackwardStep
 from zkit_offload.pipeline import subgroup_key
 from zkit_offload.swap import ALIGN, SwapHandle, _round_up, aligned_empty
 from zkit_offload.swapped_state import SubGroupPlan
@@ -79,6 +85,9 @@ class SwappedMasterStore:
         self._sq: dict[int, float] = {}  # unit -> squared norm of its gradient so far this batch
         self.plan: SubGroupPlan | None = None
         self._state_names: tuple[str, ...] = ()
+        #: ``offload_optimizer.step_in_backward``: step sub-groups during the batch's last backward
+        self.step_in_backward = bool(allocator.optimizer_config.step_in_backward)
+        self._backward_step: BackwardStep | None = None
 
     @property
     def nvme_bytes(self) -> int:
@@ -136,11 +145,32 @@ class SwappedMasterStore:
         return out
 
     # -- gradients -------------------------------------------------------------------------------
+    def begin_last_backward(self, optimizer: Any, owned: Sequence[tuple[torch.Tensor, int, int, int, Any]],
+                            publish: Callable[[int, torch.Tensor], None]) -> None:
+        """The backward that ends a batch is about to run. With ``step_in_backward`` each
+        sub-group steps as soon as :meth:`add_grad` completes it (arguments as for :meth:`step`,
+        which then finishes that step); otherwise nothing happens."""
+        if self.step_in_backward:
+            self.flush()  # the reads ahead must not meet a write of the files in flight
+            self._backward_step = BackwardStep(self, optimizer, owned, publish)
+
+    @property
+    def stepped_in_backward(self) -> bool:
+        """Whether this batch's step began during backward (so it cannot be skipped any more)."""
+        return self._backward_step is not None
+
+    def cancel_backward_step(self) -> None:
+        """Forget the step begun in backward, once its I/O has finished (the job is stopping)."""
+        early, self._backward_step = self._backward_step, None
+        if early is not None:
+            early.abandon()
+
     def add_grad(self, unit: int, grad: torch.Tensor) -> None:
         """Add one micro-step's reduced gradient shard of ``unit`` (any float dtype) to what this
         batch accumulated; ``grad`` may be reused once this returns."""
         n = self.shard_sizes[unit]
-        buf = self._stage()[:n]
+        early = self._backward_step
+        buf = self._stage()[:n] if early is None else early.grad_view(unit)
         copies = self.allocator.copies
         if unit in self._sq:  # an earlier micro-step of this batch wrote the unit
             # a device gradient comes to the host on the side stream while the file is read
@@ -152,7 +182,10 @@ class SwappedMasterStore:
             self._settle("grad", unit)
             copies.copy(buf, grad.reshape(-1)).wait()
         self._sq[unit] = float(torch.linalg.vector_norm(buf)) ** 2
-        self._write("grad", unit, buf)
+        if early is None:
+            self._write("grad", unit, buf)
+        else:
+            early.arrived_grad(unit)
 
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of this rank's accumulated gradients (``inf``/``nan`` on overflow)."""
@@ -160,6 +193,7 @@ class SwappedMasterStore:
 
     def zero_grad(self) -> None:
         """The next :meth:`add_grad` of every unit starts a new batch."""
+        self.cancel_backward_step()
         self._sq.clear()
 
     def flush(self) -> None:
@@ -189,7 +223,14 @@ class SwappedMasterStore:
     def step(self, optimizer: Any, owned: Sequence[tuple[torch.Tensor, int, int, int, Any]], grad_factor: float,
              publish: Callable[[int, torch.Tensor], None]) -> None:
         """Step ``optimizer`` (a fused CPU optimizer over the partitioner's ``owned`` pieces)
-        sub-group by sub-group and ``publish(unit, master)`` every updated unit."""
+        sub-group by sub-group and ``publish(unit, master)`` every updated unit (or finish the
+        step begun in backward)."""
+        early, self._backward_step = self._backward_step, None
+        if early is not None:
+            early.finish(grad_factor)
+            self.flush()
+            trim()
+            return
         self.flush()
         plan = self._plan(optimizer, owned)
         state = self.allocator._swapped_state(optimizer, plan)
