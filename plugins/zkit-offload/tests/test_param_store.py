@@ -129,3 +129,22 @@ def test_ready_says_whether_a_get_would_wait_for_the_disk(tmp_path):
         assert store.ready(units[0])
     finally:
         swapper.close()
+
+
+def test_a_put_keeps_the_read_aheads(tmp_path):
+    """A shard written while the buffers hold read-aheads (step_in_backward's puts during backward)
+    goes through put()'s own staging: the read-aheads stay, and nothing is read twice."""
+    store, units, swapper, _ = _store(tmp_path, [5, 1, 17], buffer_count=2)
+    try:
+        before = swapper.bytes_read
+        store.prefetch(units[1])
+        store.prefetch(units[2])
+        store.put(units[0], torch.full((5,), 7.0))
+        assert [b.unit for b in store.buffers] == [units[1], units[2]]
+        for u in units[1:]:
+            assert torch.equal(store.get(u), torch.arange(float(u.unit.shard)) + 100 * u.unit.index)
+            store.release(u)
+        assert swapper.bytes_read - before == (1 + 17) * 4
+        assert torch.equal(store.get(units[0]), torch.full((5,), 7.0))  # read after its write landed
+    finally:
+        swapper.close()

@@ -70,3 +70,16 @@ def test_what_it_cannot_honour_is_refused_at_initialize(tmp_path, change, words)
     with pytest.raises(Exception) as info:
         zkit.initialize(model=orr.make_model(), config=cfg)
     assert all(w in str(info.value) for w in words), str(info.value)
+
+
+def test_a_second_backward_before_step_is_an_error(tmp_path):
+    engine, *_ = zkit.initialize(model=orr.make_model(), config=sr.sib_config(2, "fp32", 1, str(tmp_path), True))
+    try:
+        ids, labels = orr.global_batches(1, 2)
+        loss = engine(ids[:2], labels[:2])
+        engine.backward(loss, retain_graph=True)
+        with pytest.raises(RuntimeError) as info:
+            engine.backward(loss)
+        assert "step_in_backward: a second backward ends the batch before step()" in str(info.value)
+    finally:
+        engine.close()

@@ -12,7 +12,11 @@ in aligned host buffers of ``min(buffer_size, largest shard)`` elements:
   shards already read, so it never waits on the disk before it must);
 * :meth:`get` returns the shard in memory for a gather (waiting for its read) and holds the buffer
   until :meth:`release` (the gather is done);
-* :meth:`put` writes new values (after the optimizer step) through a buffer, asynchronously.
+* :meth:`put` writes new values (after the optimizer step) asynchronously through a buffer: the
+  shard's own when it is resident, else an idle one (which then holds the new values). A put
+  never takes a buffer from a gather or a read-ahead: with ``step_in_backward`` the puts come
+  during backward, while the buffers hold the next units' shards, and then go through two staging
+  buffers of their own (made at the first such put).
 
 A buffer keeps the last shard it held until it is needed for another, so the units used last in
 forward are often still resident when backward starts. A shard written by :meth:`put` stays in its
@@ -69,6 +73,12 @@ class NVMeParamStore:
         self._clock = itertools.count(1)
         self._serial = itertools.count()
         self._in_cpu = 0  # elements of adopted shards kept in host memory (max_in_cpu)
+        #: put()'s two staging buffers (made at its first put of a shard not resident), their
+        #: writes in flight, and per shard (by ``id``) its put in flight, which a read waits for
+        self._put_staging: list[torch.Tensor] = []
+        self._put_writes: list[SwapHandle | None] = [None, None]
+        self._put_turn = 0
+        self._put_pending: dict[int, SwapHandle] = {}
         #: bytes of shards in swap files
         self.nvme_bytes = 0
 
@@ -155,6 +165,8 @@ class NVMeParamStore:
             if b.unit is not None:
                 del self._where[id(b.unit)]
         self.allocator.track("param", -sum(b.data.numel() * b.data.element_size() for b in self.buffers))
+        self.allocator.track("param", -sum(t.numel() * t.element_size() for t in self._put_staging))
+        self._put_staging = []  # made again at the new size by the next put
         self.buffers = [_Buffer(aligned_empty(size, self.dtype)) for _ in range(self.buffer_count)]
         self.allocator.track("param", sum(b.data.numel() * b.data.element_size() for b in self.buffers))
 
@@ -197,10 +209,14 @@ class NVMeParamStore:
 
     # -- writes ----------------------------------------------------------------------------------
     def put(self, su: Any, values: torch.Tensor) -> None:
-        """New values of ``su``'s shard: written to its file through a buffer, asynchronously."""
+        """New values of ``su``'s shard: written to its file, asynchronously (module docstring)."""
         buf = self._where.get(id(su))
         if buf is None:
-            buf = self._claim(self._free_buffer(), su, read=False)
+            idle = [b for b in self.buffers if b.users == 0 and not b.prefetched]
+            if not idle:  # every buffer feeds a gather or holds a read-ahead: keep them
+                self._put_staged(su, values)
+                return
+            buf = self._claim(min(idle, key=lambda b: (b.unit is not None, b.tick)), su, read=False)
         if buf.users:
             raise RuntimeError(f"the shard of stage-3 module {su.module_name or 'root'!r} was changed while a "
                                "gather was reading it")
@@ -213,6 +229,24 @@ class NVMeParamStore:
         buf.write = self.swapper.swap_out(self._key[id(su)], view)
         buf.tick = next(self._clock)
 
+    def _put_staged(self, su: Any, values: torch.Tensor) -> None:
+        if not self._put_staging:
+            size = self.buffers[0].data.numel()
+            self._put_staging = [aligned_empty(size, self.dtype) for _ in range(2)]
+            self.allocator.track("param", sum(t.numel() * t.element_size() for t in self._put_staging))
+        self._put_turn ^= 1
+        before = self._put_writes[self._put_turn]
+        if before is not None:
+            before.wait()  # the staging buffer's last write
+        earlier = self._put_pending.pop(id(su), None)
+        if earlier is not None:
+            earlier.wait()  # two puts of one shard land in order
+        view = self._put_staging[self._put_turn][: su.unit.shard]
+        view.copy_(values)
+        handle = self.swapper.swap_out(self._key[id(su)], view)
+        self._put_writes[self._put_turn] = handle
+        self._put_pending[id(su)] = handle
+
     def flush(self) -> None:
         """Wait for every read and write in flight (raises the first I/O error)."""
         for buf in self.buffers:
@@ -220,6 +254,10 @@ class NVMeParamStore:
                 if handle is not None:
                     handle.wait()
             buf.read = buf.write = None
+        for handle in self._put_writes:
+            if handle is not None:
+                handle.wait()
+        self._put_writes, self._put_pending = [None, None], {}
 
     # -- buffers ---------------------------------------------------------------------------------
     def _free_buffer(self) -> _Buffer:
@@ -241,6 +279,9 @@ class NVMeParamStore:
             del self._where[id(buf.unit)]
         buf.unit, buf.prefetched = su, False
         self._where[id(su)] = buf
+        put = self._put_pending.pop(id(su), None)
+        if put is not None:
+            put.wait()  # the file is being written with the shard's new values
         if read:
             buf.read = self.swapper.swap_in(self._key[id(su)], buf.data[: su.unit.shard])
         return buf

@@ -151,6 +151,12 @@ class SwappedMasterStore:
         sub-group steps as soon as :meth:`add_grad` completes it (arguments as for :meth:`step`,
         which then finishes that step); otherwise nothing happens."""
         if self.step_in_backward:
+            if self._backward_step is not None:
+                raise RuntimeError(
+                    "zero_optimization.offload_optimizer.step_in_backward: a second backward ends the batch before "
+                    "step(); the first one has already stepped the sub-groups its gradients completed, so the "
+                    "gradients of this one would be lost. Call step() after each batch's last backward"
+                )
             self.flush()  # the reads ahead must not meet a write of the files in flight
             self._backward_step = BackwardStep(self, optimizer, owned, publish)
 
