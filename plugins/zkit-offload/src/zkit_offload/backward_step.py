@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
-from zkit_offload.pipeline import HandleGroup, subgroup_key
+from zkit_offload.pipeline import HandleGroup, read_subgroup, write_subgroup
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.swapped_master import SwappedMasterStore
@@ -47,14 +47,11 @@ class BackwardStep:
 
     def __init__(self, store: "SwappedMasterStore", optimizer: Any, owned: Sequence[tuple[Any, ...]],
                  publish: Callable[[int, torch.Tensor], None]) -> None:
-        from zkit_offload.swapped_master import placeholder
-
-        self._placeholder = placeholder
         self.store, self.optimizer, self.publish = store, optimizer, publish
         self.plan = store._plan(optimizer, owned)
         self.state = store.allocator._swapped_state(optimizer, self.plan)
         self.names = self.plan.state_names
-        self.subgroups = [{"master": n, "grad": n, **{name: n for name in self.names}} for n in store.sizes]
+        self.subgroups = store.subgroup_sizes()
         self.buffers = store.allocator.subgroup_buffers(self.subgroups)
         self.slots = len(self.buffers.sets)
         self.fresh = set(range(len(self.plan))) - self.state.on_disk
@@ -94,16 +91,9 @@ class BackwardStep:
         before = self.writes.pop(i - self.slots, None)
         if before is not None:
             before.wait()  # its buffers are the ones about to be filled
-        views = self.buffers.views(i % self.slots, self.subgroups[i])
-        handles = []
-        for name, t in views.items():
-            if name == "grad":
-                continue
-            if name in self.names and i in self.fresh:
-                t.zero_()  # never stepped: the optimizer's initial state is filled in by bind()
-            else:
-                handles.append(self.store.swapper.swap_in(subgroup_key(i, name), t))
-        self.reads[i] = HandleGroup(handles)
+        views = {name: t for name, t in self.buffers.views(i % self.slots, self.subgroups[i]).items() if name != "grad"}
+        # never stepped: zeros, and bind() fills in the optimizer's initial state
+        self.reads[i] = read_subgroup(self.store.swapper, i, views, self.names if i in self.fresh else ())
 
     def _read_ahead(self) -> None:
         """Start the reads of the sub-groups about to fill, as far as free buffers allow (never
@@ -126,29 +116,10 @@ class BackwardStep:
             self.nonfinite = True
             return
         views = self.buffers.views(i % self.slots, self.subgroups[i])
-        master, grad = views["master"], views["grad"]
-        for unit in store.units_of[i]:
-            if unit not in self.arrived[i]:  # no gradient this batch (only when finish() steps it)
-                _, offset = store.unit_at[unit]
-                grad[offset : offset + store.shard_sizes[unit]].zero_()
-        members = self.plan.members[i]
-        for p, offset in members:
-            p.data = master[offset : offset + p.numel()].view(p.shape)
-            p.grad = grad[offset : offset + p.numel()].view(p.shape)
-        try:
-            with self.state.raw():
-                self.state.bind(i, views, self.optimizer, self.group_of)
-                if members:
-                    self.optimizer.fused_step(1.0, params=[p for p, _ in members])
-            for unit in store.units_of[i]:
-                _, offset = store.unit_at[unit]
-                self.publish(unit, master[offset : offset + store.shard_sizes[unit]])
-        finally:
-            self.state.unbind(i)
-            for p, _ in members:
-                p.data, p.grad = self._placeholder(p.shape), None
-        self.writes[i] = HandleGroup([store.swapper.swap_out(subgroup_key(i, name), t)
-                                      for name, t in views.items() if name != "grad"])
+        with self.state.raw():
+            store.step_subgroup(i, views, self.optimizer, self.state, self.group_of, 1.0, self.publish,
+                                with_grad=self.arrived[i])  # all of them, unless finish() steps it
+        self.writes[i] = write_subgroup(store.swapper, i, views, skip=("grad",))
         self.stepped.append(i)
         self._read_ahead()
 
@@ -170,13 +141,7 @@ class BackwardStep:
 
     def abandon(self) -> None:
         """Wait for every read and write in flight (raises the first error once all are done)."""
-        errors = []
-        for handles in [*self.reads.values(), *self.writes.values()]:
-            try:
-                handles.wait()
-            except Exception as exc:  # finish every request before reporting
-                errors.append(exc)
+        pending = HandleGroup([*self.reads.values(), *self.writes.values()])
         self.reads.clear()
         self.writes.clear()
-        if errors:
-            raise errors[0]
+        pending.wait()

@@ -176,10 +176,10 @@ class NVMeParamStore:
         a gather)."""
         buf = self._where.get(id(su))
         if buf is None:
-            free = [b for b in self.buffers if b.users == 0 and not b.prefetched]
-            if not free:
+            idle = self._idle_buffer()
+            if idle is None:
                 return
-            buf = self._claim(min(free, key=lambda b: (b.unit is not None, b.tick)), su)
+            buf = self._claim(idle, su)
             buf.prefetched = True
         buf.tick = next(self._clock)
 
@@ -212,11 +212,11 @@ class NVMeParamStore:
         """New values of ``su``'s shard: written to its file, asynchronously (module docstring)."""
         buf = self._where.get(id(su))
         if buf is None:
-            idle = [b for b in self.buffers if b.users == 0 and not b.prefetched]
-            if not idle:  # every buffer feeds a gather or holds a read-ahead: keep them
+            idle = self._idle_buffer()
+            if idle is None:  # every buffer feeds a gather or holds a read-ahead: keep them
                 self._put_staged(su, values)
                 return
-            buf = self._claim(min(idle, key=lambda b: (b.unit is not None, b.tick)), su, read=False)
+            buf = self._claim(idle, su, read=False)
         if buf.users:
             raise RuntimeError(f"the shard of stage-3 module {su.module_name or 'root'!r} was changed while a "
                                "gather was reading it")
@@ -260,6 +260,12 @@ class NVMeParamStore:
         self._put_writes, self._put_pending = [None, None], {}
 
     # -- buffers ---------------------------------------------------------------------------------
+    def _idle_buffer(self) -> _Buffer | None:
+        """A buffer neither a gather nor a read-ahead needs (an empty one first, else the least
+        recently used), or ``None``."""
+        idle = [b for b in self.buffers if b.users == 0 and not b.prefetched]
+        return min(idle, key=lambda b: (b.unit is not None, b.tick), default=None)
+
     def _free_buffer(self) -> _Buffer:
         free = [b for b in self.buffers if b.users == 0]
         if not free:

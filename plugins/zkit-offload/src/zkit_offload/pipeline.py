@@ -69,13 +69,9 @@ def step_in_subgroups(
         if i - slots >= 0 and writes[i - slots] is not None:
             writes[i - slots].wait()  # its buffer is the one we are about to fill
         views = buffers.views(i % slots, subgroups[i])
-        handles = []
-        for name, t in views.items():
-            if (fresh is True or (fresh is not False and i in fresh)) and (fresh_names is None or name in fresh_names):
-                t.zero_()
-            else:
-                handles.append(swapper.swap_in(subgroup_key(i, name), t))
-        reads[i] = HandleGroup(handles)
+        is_fresh = fresh is True or (fresh is not False and i in fresh)
+        zeroed = [name for name in views if is_fresh and (fresh_names is None or name in fresh_names)]
+        reads[i] = read_subgroup(swapper, i, views, zeroed)
 
     try:
         if n:
@@ -87,24 +83,35 @@ def step_in_subgroups(
                 reads[i].wait()
             views = buffers.views(i % slots, subgroups[i])
             step(i, views)
-            writes[i] = HandleGroup([swapper.swap_out(subgroup_key(i, name), t) for name, t in views.items()
-                              if name not in read_only])
-    finally:
-        errors = []
-        for h in [*reads, *writes]:
-            if h is not None:
-                try:
-                    h.wait()
-                except Exception as exc:  # finish every pending request before reporting
-                    errors.append(exc)
-        if errors:
-            raise errors[0]
+            writes[i] = write_subgroup(swapper, i, views, skip=read_only)
+    finally:  # finish every pending request before reporting the first error
+        HandleGroup([h for h in (*reads, *writes) if h is not None]).wait()
+
+
+def read_subgroup(swapper: NVMeSwapper, index: int, views: Mapping[str, torch.Tensor],
+                  zeroed: Container[str] = ()) -> "HandleGroup":
+    """Start reading sub-group ``index``'s tensors into ``views``; those named in ``zeroed`` are
+    zero-filled instead (nothing of theirs is on the disk yet)."""
+    handles = []
+    for name, t in views.items():
+        if name in zeroed:
+            t.zero_()
+        else:
+            handles.append(swapper.swap_in(subgroup_key(index, name), t))
+    return HandleGroup(handles)
+
+
+def write_subgroup(swapper: NVMeSwapper, index: int, views: Mapping[str, torch.Tensor],
+                   skip: Container[str] = ()) -> "HandleGroup":
+    """Start writing sub-group ``index``'s tensors from ``views``, but those named in ``skip``."""
+    return HandleGroup([swapper.swap_out(subgroup_key(index, name), t) for name, t in views.items()
+                        if name not in skip])
 
 
 class HandleGroup:
-    """Several swap handles waited on as one."""
+    """Several swap handles (or groups) waited on as one."""
 
-    def __init__(self, handles: list[SwapHandle]) -> None:
+    def __init__(self, handles: Sequence[SwapHandle | "HandleGroup"]) -> None:
         self.handles = handles
 
     def done(self) -> bool:

@@ -148,10 +148,11 @@ def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfi
 def zkit_configure(config):
     optimizer = getattr(config, "optimizer", None)
     zero = getattr(config, "zero_optimization", None)
-    check_step_in_backward(config.section(OffloadOptimizerConfig.SECTION) or OffloadOptimizerConfig(),
-                           getattr(zero, "stage", None), config.gradient_clipping, config.fp16.enabled)
+    offload_optimizer = config.section(OffloadOptimizerConfig.SECTION)
+    check_step_in_backward(offload_optimizer or OffloadOptimizerConfig(), getattr(zero, "stage", None),
+                           config.gradient_clipping, config.fp16.enabled)
     return choose_stack(
-        config.section(OffloadOptimizerConfig.SECTION),
+        offload_optimizer,
         config.section(AioConfig.SECTION),
         getattr(optimizer, "type", None) if optimizer is not None else None,
         config.section(OffloadParamConfig.SECTION),

@@ -30,7 +30,7 @@ each updated unit into the model's parameters (or the parameter store).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Container, Sequence
 
 import torch
 
@@ -226,6 +226,38 @@ class SwappedMasterStore:
             self.plan = SubGroupPlan.from_layout(members, self.sizes, self._state_names)
         return self.plan
 
+    def subgroup_sizes(self) -> list[dict[str, int]]:
+        """``{tensor name: elements}`` of every sub-group: master, gradient and the optimizer's
+        state (known once :meth:`_plan` has run)."""
+        return [{"master": n, "grad": n, **{name: n for name in self._state_names}} for n in self.sizes]
+
+    def step_subgroup(self, i: int, tensors: dict[str, torch.Tensor], optimizer: Any, state: Any,
+                      group_of: dict[int, dict], grad_factor: float, publish: Callable[[int, torch.Tensor], None],
+                      with_grad: Container[int]) -> None:
+        """Step sub-group ``i`` from ``tensors`` (its host buffers: master, gradient, state) and
+        ``publish`` each of its units. ``with_grad``: the units whose gradient the buffer holds;
+        the others' ranges are zeroed. Inside ``state.raw()``."""
+        master, grad = tensors["master"], tensors["grad"]
+        for unit in self.units_of[i]:
+            if unit not in with_grad:
+                _, offset = self.unit_at[unit]
+                grad[offset : offset + self.shard_sizes[unit]].zero_()
+        members = self.plan.members[i]
+        for p, offset in members:
+            p.data = master[offset : offset + p.numel()].view(p.shape)
+            p.grad = grad[offset : offset + p.numel()].view(p.shape)
+        try:
+            state.bind(i, tensors, optimizer, group_of)
+            if members:
+                optimizer.fused_step(grad_factor, params=[p for p, _ in members])
+            for unit in self.units_of[i]:
+                _, offset = self.unit_at[unit]
+                publish(unit, master[offset : offset + self.shard_sizes[unit]])
+        finally:
+            state.unbind(i)
+            for p, _ in members:
+                p.data, p.grad = placeholder(p.shape), None
+
     def step(self, optimizer: Any, owned: Sequence[tuple[torch.Tensor, int, int, int, Any]], grad_factor: float,
              publish: Callable[[int, torch.Tensor], None]) -> None:
         """Step ``optimizer`` (a fused CPU optimizer over the partitioner's ``owned`` pieces)
@@ -240,34 +272,15 @@ class SwappedMasterStore:
         self.flush()
         plan = self._plan(optimizer, owned)
         state = self.allocator._swapped_state(optimizer, plan)
-        names = plan.state_names
         group_of = state.groups_by_param(optimizer)
 
         def step(i: int, tensors: dict[str, torch.Tensor]) -> None:
-            master, grad = tensors["master"], tensors["grad"]
-            for unit in self.units_of[i]:
-                if unit not in self._sq:  # no gradient this batch: its file holds an old one
-                    _, offset = self.unit_at[unit]
-                    grad[offset : offset + self.shard_sizes[unit]].zero_()
-            members = plan.members[i]
-            for p, offset in members:
-                p.data = master[offset : offset + p.numel()].view(p.shape)
-                p.grad = grad[offset : offset + p.numel()].view(p.shape)
-            try:
-                state.bind(i, tensors, optimizer, group_of)
-                if members:
-                    optimizer.fused_step(grad_factor, params=[p for p, _ in members])
-                for unit in self.units_of[i]:
-                    _, offset = self.unit_at[unit]
-                    publish(unit, master[offset : offset + self.shard_sizes[unit]])
-            finally:
-                state.unbind(i)
-                for p, _ in members:
-                    p.data, p.grad = placeholder(p.shape), None
+            # a unit without a gradient this batch: its range of the file holds an old one
+            self.step_subgroup(i, tensors, optimizer, state, group_of, grad_factor, publish, with_grad=self._sq)
 
-        subgroups = [{"master": n, "grad": n, **{name: n for name in names}} for n in self.sizes]
         fresh = set(range(len(plan))) - state.on_disk
         with state.raw():
-            self.allocator.step_in_subgroups(subgroups, step, fresh=fresh, fresh_names=names, read_only=("grad",))
+            self.allocator.step_in_subgroups(self.subgroup_sizes(), step, fresh=fresh, fresh_names=plan.state_names,
+                                             read_only=("grad",))
         state.on_disk.update(range(len(plan)))
         trim()  # what forward and backward freed (gathered parameters, activations)
