@@ -112,9 +112,6 @@ def check_supported(optimizer: OffloadOptimizerConfig, aio: AioConfig) -> None:
     if aio.use_gds:
         raise ValueError("aio.use_gds=true: GPUDirect Storage is not supported by zkit-offload; "
                          "set it to false (NVMe swaps go through pinned host buffers)")
-    if optimizer.step_in_backward and optimizer.device != "nvme":
-        raise ValueError(f"zero_optimization.offload_optimizer.step_in_backward needs device 'nvme' (got "
-                         f"{optimizer.device!r}): it saves the gradients' round trip through the NVMe files")
     if optimizer.device != "none" and optimizer.ratio != 1.0:
         raise ValueError(f"zero_optimization.offload_optimizer.ratio={optimizer.ratio}: partial optimizer "
                          "offload is not supported; use 1.0 (offload all) or device 'none'")
@@ -127,6 +124,9 @@ def check_step_in_backward(optimizer: OffloadOptimizerConfig, stage: int | None,
     if not optimizer.step_in_backward:
         return
     key = "zero_optimization.offload_optimizer.step_in_backward"
+    if optimizer.device != "nvme":
+        raise ValueError(f"{key} needs device 'nvme' (got {optimizer.device!r}): it saves the gradients' round trip "
+                         "through the NVMe files")
     if stage is not None and stage < 2:
         raise ValueError(f"{key} needs ZeRO stage 2 or 3 (the stages that keep the master on NVMe); this config "
                          f"has zero_optimization.stage {stage}")
