@@ -164,7 +164,7 @@ def test_stage3_keeps_units_gathered_for_a_reuse_within_the_distance():
     assert runs[0]["losses"] == runs[330]["losses"] == runs[10**9]["losses"]
 
 
-def test_spare_buffers_keep_host_buffers_up_to_their_limit_and_only_unshared_ones():
+def test_spare_buffers_keep_the_latest_host_buffers_up_to_their_limit_and_only_unshared_ones():
     import torch
 
     from zkit.zero.sharded_params import SpareBuffers
@@ -182,7 +182,16 @@ def test_spare_buffers_keep_host_buffers_up_to_their_limit_and_only_unshared_one
     assert spares.kept == 0
     for _ in range(3):
         spares.give(torch.empty(10))
-    assert spares.kept == 80  # the third did not fit the limit
+    assert spares.kept == 80  # the third pushed out the first
+    older = torch.empty(10)
+    spares.give(older)
+    newest = torch.empty(20)  # as large as the limit: it takes the place of both kept ones
+    spares.give(newest)
+    assert spares.kept == 80
+    assert spares.take(10, torch.float32, torch.device("cpu")) is not older  # pushed out
+    assert spares.take(20, torch.float32, torch.device("cpu")) is newest
+    spares.give(torch.empty(30))  # larger than the limit: never kept
+    assert spares.kept == 0
     spares.clear()
     assert spares.kept == 0 and spares.take(10, torch.float32, torch.device("cpu")) is not a
     meta = torch.empty(10, device="meta")

@@ -7,6 +7,13 @@ Reads use O_DIRECT (when the filesystem has it) so they come from the disk, not 
 Each swapper row is one file written and read back whole; the row under it moves the same bytes as
 20 MiB pieces in files of their own (an NVMe optimizer step's sub-group tensors), and "both" reads
 and rewrites them at once.
+
+    python contrib/bench/bench_nvme_swap.py --path /mnt/nvme --pages
+
+reads one file as 16 MiB pieces, three in flight, into 12 buffers reused in turn (as the
+parameter store does), each set of buffers placed a different way: first written by torch on two
+threads (its pages interleaved in physical memory), first touched by the disk's reads, and on huge
+pages (``zkit_offload.io_memory``, what the swapper's buffers use). Rounds are interleaved.
 """
 from __future__ import annotations
 
@@ -94,6 +101,41 @@ def swapper_piecewise_bandwidth(directory: str, size_mb: int, piece_mb: int, blo
     return nbytes / t_w / 1e9, nbytes / t_r / 1e9, 2 * nbytes / t_b / 1e9
 
 
+def page_placement_bandwidth(directory: str, size_mb: int, rounds: int) -> dict[str, list[float]]:
+    """Read GB/s per round of one file read as 16 MiB pieces into buffers placed three ways
+    (module docstring)."""
+    from zkit_offload.io_memory import ALIGN
+
+    piece = 16 << 20
+    count = max(1, (size_mb << 20) // piece)
+
+    def torch_pages(touch: bool) -> torch.Tensor:  # torch's allocator, aligned by hand, as before
+        raw = torch.empty(piece + ALIGN, dtype=torch.uint8)
+        skip = (-raw.data_ptr()) % ALIGN
+        t = raw[skip: skip + piece].view(torch.float32)
+        return t.normal_() if touch else t
+
+    pools = {
+        "4 KiB pages, written by 2 threads first": [torch_pages(True) for _ in range(12)],
+        "4 KiB pages, touched by the reads first": [torch_pages(False) for _ in range(12)],
+        "huge pages (io_memory.aligned_empty)": [aligned_empty(piece // 4).normal_() for _ in range(12)],
+    }
+    out: dict[str, list[float]] = {name: [] for name in pools}
+    with NVMeSwapper(directory, block_size=1 << 20, io_threads=8) as s:
+        s.write("file", aligned_empty(count * piece // 4).normal_())
+        for _ in range(rounds):
+            for name, pool in pools.items():
+                start, pending = time.perf_counter(), []
+                for i in range(count):
+                    if len(pending) == 3:
+                        pending.pop(0).wait()
+                    pending.append(s.swap_in("file", pool[i % len(pool)], offset=i * piece))
+                for h in pending:
+                    h.wait()
+                out[name].append(count * piece / (time.perf_counter() - start) / 1e9)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--path", default=tempfile.gettempdir(), help="directory on the disk to measure")
@@ -101,7 +143,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--configs", default="1048576:4,1048576:8,8388608:4",
                     help="block_size:threads pairs for the swapper")
+    ap.add_argument("--pages", action="store_true",
+                    help="only the read bandwidth into buffers whose pages are placed three ways")
     args = ap.parse_args()
+    if args.pages:
+        print(f"{args.size_mb} MiB under {args.path}, read as 16 MiB pieces, 3 in flight, into 12 buffers "
+              f"(1 MiB requests, 8 threads); GB/s per round")
+        for name, rates in page_placement_bandwidth(args.path, args.size_mb, args.rounds).items():
+            print(f"{name:42s} " + " ".join(f"{r:5.2f}" for r in rates))
+        return
     raw_w, raw_r = raw_bandwidth(args.path, args.size_mb)
     print(f"{args.size_mb} MiB under {args.path}")
     print(f"{'':34s} {'write GB/s':>10s} {'read GB/s':>10s} {'% raw w':>8s} {'% raw r':>8s}")

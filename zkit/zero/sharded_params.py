@@ -244,38 +244,54 @@ class SpareBuffers:
     (``contrib/bench/bench_host_malloc.py``: the fixed threshold cost a 2-rank stage-3 step
     1.21-1.24x the time of glibc's default before, 1.11-1.17x with them).
 
-    At most ``limit_bytes`` are kept; :meth:`clear` hands them back (stage 3 calls it when backward
-    ends, before the optimizer step wants the memory). Device buffers are never kept: torch's
-    caching allocator already reuses them. Nor is a buffer whose storage another tensor still
-    uses (a view that autograd saved): the next user would overwrite it."""
+    At most ``limit_bytes`` are kept: a buffer given when the pool is full pushes out the ones
+    given longest ago. A pool that refused the newest instead would fill with sizes asked for
+    earlier and then miss every request of the sizes in use now (a GPT's units come in four
+    sizes, cycled through in each layer). :meth:`clear` hands them back (stage 3 calls it when
+    backward ends, before the optimizer step wants the memory). Device buffers are never kept:
+    torch's caching allocator already reuses them. Nor is a buffer whose storage another tensor
+    still uses (a view that autograd saved): the next user would overwrite it."""
 
-    __slots__ = ("limit", "kept", "_free")
+    __slots__ = ("limit", "kept", "_free", "_order")
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit = limit_bytes
         self.kept = 0
         self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        self._order: list[torch.Tensor] = []  # oldest first
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         spare = self._free.get((numel, dtype)) if device.type == "cpu" else None
         if spare:
             t = spare.pop()
-            self.kept -= t.numel() * t.element_size()
+            self._forget(t)
             return t
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, t: torch.Tensor) -> None:
         nbytes = t.numel() * t.element_size()
-        if t.device.type != "cpu" or _storage_use_count is None or self.kept + nbytes > self.limit:
+        if t.device.type != "cpu" or _storage_use_count is None or nbytes > self.limit:
             return
         # 2: the tensor's own reference and the storage object asked for here; more is a view
         if _storage_use_count(t.untyped_storage()._cdata) > 2:
             return
+        while self.kept + nbytes > self.limit:
+            oldest = self._order[0]
+            same = self._free[(oldest.numel(), oldest.dtype)]
+            del same[next(i for i, x in enumerate(same) if x is oldest)]
+            self._forget(oldest)
         self._free.setdefault((t.numel(), t.dtype), []).append(t)
+        self._order.append(t)
         self.kept += nbytes
+
+    def _forget(self, t: torch.Tensor) -> None:
+        # by identity: ``list.remove`` would compare tensors with ``==``
+        del self._order[next(i for i, x in enumerate(self._order) if x is t)]
+        self.kept -= t.numel() * t.element_size()
 
     def clear(self) -> None:
         self._free.clear()
+        self._order.clear()
         self.kept = 0
 
 

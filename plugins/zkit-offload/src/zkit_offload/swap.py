@@ -42,21 +42,11 @@ from typing import Iterable
 import numpy as np
 import torch
 
-#: Memory/offset/length alignment used for direct I/O (covers 512-byte and 4 KiB devices).
-ALIGN = 4096
+from zkit_offload.io_memory import ALIGN, aligned_empty  # noqa: F401 - the swapper's buffers
 
 
 class SwapError(RuntimeError):
     """An NVMe swap read or write failed; the message names the file."""
-
-
-def aligned_empty(numel: int, dtype: torch.dtype = torch.float32, align: int = ALIGN) -> torch.Tensor:
-    """An uninitialised flat CPU tensor whose data starts on an ``align``-byte boundary, so the
-    swapper can hand its memory to direct I/O without a staging copy."""
-    itemsize = dtype.itemsize
-    raw = torch.empty(numel * itemsize + align, dtype=torch.uint8, device="cpu")
-    skip = (-raw.data_ptr()) % align
-    return raw[skip: skip + numel * itemsize].view(dtype)
 
 
 #: the file in a run directory naming the process that owns it: ``"<host> <pid>"``
