@@ -6,11 +6,12 @@ sub-group pipeline, staging, host buffers of the ``nvme`` allocator) comes from
 512-byte and 4 KiB devices). Beyond that, *how the buffer's pages were placed* matters to the
 disk: each request names its memory page by page, and a 1 MiB request into 4 KiB pages scattered
 across physical memory is 256 pieces for the device (or the hypervisor under a virtual disk) to
-gather. Reading the same file into the same buffers, measured on the virtual disk this project's
-figures come from (``contrib/bench/bench_nvme_swap.py --pages``): buffers first written by two CPU
-threads (torch's ``normal_``, ``zero_``: their pages interleave) read at 1.1-1.3 GB/s, buffers
-first touched by the disk's own reads at 1.9-2.1 GB/s, and buffers on 2 MiB transparent huge pages
-at 2.3-2.45 GB/s.
+gather. One file read as 16 MiB pieces into 12 reused buffers on the virtual disk this project's
+figures come from (``contrib/bench/bench_nvme_swap.py --pages``, two runs): 2.34-2.59 GB/s into
+huge pages, 1.80-2.04 GB/s into buffers torch wrote first on two threads (their pages interleave)
+and 2.00-2.11 GB/s into buffers the reads touched first. Inside the 1218M-parameter NVMe step the
+difference was larger: the step took 1.3-1.6x as long before its buffers moved to huge pages
+(``docs/plugins/offload.md``, "I/O buffers on huge pages").
 
 So a buffer of at least :data:`HUGE_FROM` bytes is mapped on its own, aligned to 2 MiB, with
 ``madvise(MADV_HUGEPAGE)``: each 2 MiB of it is then one physical piece. The kernel honours that
