@@ -104,15 +104,13 @@ def swapper_piecewise_bandwidth(directory: str, size_mb: int, piece_mb: int, blo
 def page_placement_bandwidth(directory: str, size_mb: int, rounds: int) -> dict[str, list[float]]:
     """Read GB/s per round of one file read as 16 MiB pieces into buffers placed three ways
     (module docstring)."""
-    from zkit_offload.io_memory import ALIGN
+    from zkit_offload.io_memory import small_page_empty
 
     piece = 16 << 20
     count = max(1, (size_mb << 20) // piece)
 
-    def torch_pages(touch: bool) -> torch.Tensor:  # torch's allocator, aligned by hand, as before
-        raw = torch.empty(piece + ALIGN, dtype=torch.uint8)
-        skip = (-raw.data_ptr()) % ALIGN
-        t = raw[skip: skip + piece].view(torch.float32)
+    def torch_pages(touch: bool) -> torch.Tensor:  # what aligned_empty gave before huge pages
+        t = small_page_empty(piece).view(torch.float32)
         return t.normal_() if touch else t
 
     pools = {

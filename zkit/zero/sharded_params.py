@@ -252,20 +252,19 @@ class SpareBuffers:
     torch's caching allocator already reuses them. Nor is a buffer whose storage another tensor
     still uses (a view that autograd saved): the next user would overwrite it."""
 
-    __slots__ = ("limit", "kept", "_free", "_order")
+    __slots__ = ("limit", "kept", "_free")
 
     def __init__(self, limit_bytes: int) -> None:
         self.limit = limit_bytes
         self.kept = 0
-        self._free: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
-        self._order: list[torch.Tensor] = []  # oldest first
+        self._free: list[torch.Tensor] = []  # in the order given, oldest first (a few buffers)
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        spare = self._free.get((numel, dtype)) if device.type == "cpu" else None
-        if spare:
-            t = spare.pop()
-            self._forget(t)
-            return t
+        if device.type == "cpu":
+            for i in range(len(self._free) - 1, -1, -1):  # the latest of that size and dtype
+                t = self._free[i]
+                if t.numel() == numel and t.dtype == dtype:
+                    return self._drop(i)
         return torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, t: torch.Tensor) -> None:
@@ -276,22 +275,17 @@ class SpareBuffers:
         if _storage_use_count(t.untyped_storage()._cdata) > 2:
             return
         while self.kept + nbytes > self.limit:
-            oldest = self._order[0]
-            same = self._free[(oldest.numel(), oldest.dtype)]
-            del same[next(i for i, x in enumerate(same) if x is oldest)]
-            self._forget(oldest)
-        self._free.setdefault((t.numel(), t.dtype), []).append(t)
-        self._order.append(t)
+            self._drop(0)
+        self._free.append(t)
         self.kept += nbytes
 
-    def _forget(self, t: torch.Tensor) -> None:
-        # by identity: ``list.remove`` would compare tensors with ``==``
-        del self._order[next(i for i, x in enumerate(self._order) if x is t)]
+    def _drop(self, i: int) -> torch.Tensor:
+        t = self._free.pop(i)
         self.kept -= t.numel() * t.element_size()
+        return t
 
     def clear(self) -> None:
         self._free.clear()
-        self._order.clear()
         self.kept = 0
 
 

@@ -42,9 +42,15 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.float32, align: int = A
     nbytes = int(numel) * dtype.itemsize
     if nbytes >= HUGE_FROM and align <= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
         return _huge_page_empty(nbytes).view(dtype)
+    return small_page_empty(nbytes, align).view(dtype)
+
+
+def small_page_empty(nbytes: int, align: int = ALIGN) -> torch.Tensor:
+    """``nbytes`` uninitialised bytes from torch's allocator (4 KiB pages wherever they fall),
+    starting on an ``align``-byte boundary: :func:`aligned_empty` below :data:`HUGE_FROM`."""
     raw = torch.empty(nbytes + align, dtype=torch.uint8, device="cpu")
     skip = (-raw.data_ptr()) % align
-    return raw[skip: skip + nbytes].view(dtype)
+    return raw[skip: skip + nbytes]
 
 
 def _huge_page_empty(nbytes: int) -> torch.Tensor:
