@@ -5,13 +5,12 @@ activations replicated over the tensor-parallel group. Dropout on *split* activa
 zkit-pipeline's tensor-parallel tracker (``get_rng_tracker().fork()``), a separate, per-rank
 stream; its state is captured when a region first runs and put back while it is recomputed, then
 the state the forward pass left is restored, so training continues on the same stream as
-without checkpointing. Any object with a ``states`` dict of named generator states can be
-registered the same way.
+without checkpointing. zkit-pipeline registers its tracker when that module loads; any object with
+a ``states`` dict of named generator states can be registered the same way.
 """
 from __future__ import annotations
 
 import contextlib
-import sys
 from typing import Any, Iterator
 
 _registered: list[Any] = []
@@ -28,14 +27,8 @@ def register_rng_tracker(tracker: Any) -> None:
 
 
 def trackers() -> list[Any]:
-    """Registered trackers plus zkit-pipeline's tensor-parallel one when that module is loaded."""
-    found = list(_registered)
-    tp = sys.modules.get("zkit_pipeline.tensor_parallel.rng")
-    if tp is not None:
-        tracker = tp.get_rng_tracker()
-        if all(t is not tracker for t in found):
-            found.append(tracker)
-    return found
+    """The registered trackers, in the order they were registered."""
+    return list(_registered)
 
 
 class TrackerStates:

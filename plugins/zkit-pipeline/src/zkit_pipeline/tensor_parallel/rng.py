@@ -14,6 +14,8 @@ from typing import Iterator
 
 import torch
 
+from zkit.activations.rng import register_rng_tracker
+
 TENSOR_PARALLEL_RNG = "tensor-parallel"
 #: offset between the replicated and the tensor-parallel seeds, so the two streams never coincide.
 SEED_OFFSET = 2718
@@ -60,6 +62,8 @@ class RNGStatesTracker:
 
 
 _TRACKER = RNGStatesTracker()
+# activation checkpointing replays this stream when it recomputes a region that forked into it
+register_rng_tracker(_TRACKER)
 
 
 def get_rng_tracker() -> RNGStatesTracker:
