@@ -3,6 +3,13 @@
     OMP_NUM_THREADS=1 python contrib/bench/bench_sparse_attention.py time --seq 8192 \
         --heads 8 12 --block 32 64 --layout fixed bigbird
     OMP_NUM_THREADS=1 python contrib/bench/bench_sparse_attention.py memory --budget-mib 2048
+    python contrib/bench/bench_sparse_attention.py --gpu --out-dir results/sparse-gpu
+    python contrib/bench/bench_sparse_attention.py --cpu-smoke --out-dir /tmp/sparse-smoke
+
+``--gpu`` runs the GPU table (backends flex, numba, torch against flash SDPA and a hand-written
+FlexAttention call, and the longest GPT sequence) in one process within ``--budget-s``; it writes
+``table.md`` and ``rows.jsonl`` under ``--out-dir`` (see ``sparse_attention_gpu.py``).
+``--cpu-smoke`` runs the same code on tiny CPU shapes, to check the script.
 
 Variants:
   sparse          zkit's block-sparse path, probabilities kept for the backward (the default)
@@ -190,7 +197,14 @@ def fitted_limit(points: list[tuple[int, float]], budget: float) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["time", "memory"])
+    ap.add_argument("mode", nargs="?", choices=["time", "memory"])
+    ap.add_argument("--gpu", action="store_true", help="the GPU table (one CUDA device)")
+    ap.add_argument("--cpu-smoke", action="store_true", help="the GPU table's code on tiny CPU shapes")
+    ap.add_argument("--out-dir", default="sparse-attention-gpu", help="--gpu/--cpu-smoke: where the table goes")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="--gpu: no case starts after this many seconds")
+    ap.add_argument("--stages", nargs="+", default=["kernels", "fp32", "gpt"], choices=["kernels", "fp32", "gpt"])
+    ap.add_argument("--gpt-step-cap-s", type=float, default=10.0,
+                    help="--gpu: stop lengthening the GPT once a step takes longer")
     ap.add_argument("--seq", type=int, nargs="+", default=None)
     ap.add_argument("--heads", type=int, nargs="+", default=[8])
     ap.add_argument("--block", type=int, nargs="+", default=[64], choices=[32, 64])
@@ -202,6 +216,16 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=2048.0)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ns = ap.parse_args()
+    if ns.gpu or ns.cpu_smoke:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        import sparse_attention_gpu
+
+        sparse_attention_gpu.main(ns.out_dir, smoke=ns.cpu_smoke, budget_s=ns.budget_s,
+                                  reps=max(ns.reps, 20) if ns.gpu else 3, stages=ns.stages,
+                                  step_cap_s=ns.gpt_step_cap_s, layouts=ns.layout)
+        return
+    if ns.mode is None:
+        ap.error("give a mode (time, memory) or --gpu / --cpu-smoke")
     if ns.mode == "time":
         ns.seq = ns.seq or [8192]
         ns.variants = ns.variants or ["sparse", "sparse-recomp", "dense"]

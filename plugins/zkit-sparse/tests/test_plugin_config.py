@@ -14,8 +14,9 @@ def test_records():
     assert record.name == "block_sparse" and record.aliases == ("sparse",)
     (section,) = list(plugin.zkit_config_sections())
     assert section.path == "sparse_attention" and section.schema is SparseAttentionConfig
-    ((topic, text),) = list(plugin.zkit_report())
+    (topic, text), (backend_topic, _) = list(plugin.zkit_report())
     assert topic == "zkit-sparse" and "bigbird" in text
+    assert backend_topic == "zkit-sparse backend"
 
 
 def test_section_builds_deepspeed_layout():

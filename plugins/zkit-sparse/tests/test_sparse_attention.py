@@ -182,5 +182,5 @@ def test_bad_constructor_arguments():
         SparseSelfAttention({"mode": "fixed"})
     with pytest.raises(ValueError, match="workspace_elems must be >= 1, got 0"):
         SparseSelfAttention(cfg, workspace_elems=0)
-    with pytest.raises(RuntimeError, match="use_kernels=True needs CUDA tensors"):
+    with pytest.raises(RuntimeError, match=r"backend 'numba' \(use_kernels=True\) needs CUDA tensors; got tensors on cpu"):
         SparseSelfAttention(cfg, max_seq_length=T, use_kernels=True)(*(torch.randn(1, H, T, D),) * 3)

@@ -12,9 +12,10 @@ mode ``"add"`` adds the mask to the scores, mode ``"mul"`` masks where the mask 
 blocks too, which DeepSpeed left to an explicit ``attn_mask``. A row with every key masked gives
 a zero output (and zero gradients) rather than NaN.
 
-Paths: a layout with every block present runs PyTorch's SDPA; CUDA tensors run the Numba-CUDA
-kernels of ``zkit-cuda-numba`` when it is installed and a GPU is usable; everything else runs the
-batched-PyTorch block-sparse path (:mod:`zkit_sparse.block_attention_torch`).
+Paths: a layout with every block present runs PyTorch's SDPA. Otherwise ``backend`` picks one
+of three (:mod:`zkit_sparse.backends`): ``flex``, PyTorch's compiled FlexAttention, the default
+for CUDA tensors; ``numba``, the Numba-CUDA kernels of ``zkit-cuda-numba``; ``torch``, the
+batched-PyTorch path (:mod:`zkit_sparse.block_attention_torch`), the default everywhere else.
 """
 from __future__ import annotations
 
@@ -23,8 +24,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from zkit_sparse import backends
 from zkit_sparse.block_attention_torch import MaskSpec, block_sparse_attention
+from zkit_sparse.block_attention_flex import flex_block_sparse_attention
 from zkit_sparse.block_lut import BlockLUT, build_lut, compress_heads
+from zkit_sparse.flex_block_mask import DEFAULT_FLEX_BLOCK, flex_tile, layout_block_mask
 from zkit_sparse.layouts import SparsityConfig
 from zkit_sparse.reusable_buffer import ReusableBuffer
 
@@ -76,8 +80,15 @@ class SparseSelfAttention(torch.nn.Module):
             (fastest; memory grows with nonzero blocks x ``block**2``). ``False`` recomputes them
             in the backward, FlashAttention-style: memory O(seq x head_dim) plus one chunk, one
             more block matmul per nonzero block.
-        use_kernels: ``None`` = Numba-CUDA kernels for CUDA tensors when available; ``False``
-            forces the PyTorch path; ``True`` makes a missing kernel an error.
+        backend: ``"auto"`` (CUDA tensors: FlexAttention when torch has it and ``dropout`` is 0,
+            else the Numba-CUDA kernels when installed, else PyTorch; other devices: PyTorch),
+            or one of ``"flex"``, ``"numba"``, ``"torch"`` (unavailable = an error).
+        use_kernels: the older switch: ``True`` = ``backend="numba"``, ``False`` =
+            ``backend="torch"``, ``None`` = ``backend``.
+        flex_block_size: FlexAttention's tile (an int or ``(query, key)`` pair); the layout's
+            blocks are expressed inside partial tiles.
+        flex_kernel_options: ``kernel_options`` passed to ``flex_attention`` (tile sizes of
+            its forward and backward kernels).
     """
 
     def __init__(
@@ -92,6 +103,9 @@ class SparseSelfAttention(torch.nn.Module):
         workspace_elems: int = 1 << 21,
         save_probs: bool = True,
         use_kernels: bool | None = None,
+        backend: str = "auto",
+        flex_block_size: int | tuple[int, int] = DEFAULT_FLEX_BLOCK,
+        flex_kernel_options: dict | None = None,
     ):
         super().__init__()
         if not isinstance(sparsity_config, SparsityConfig):
@@ -116,9 +130,17 @@ class SparseSelfAttention(torch.nn.Module):
             raise ValueError(f"workspace_elems must be >= 1, got {workspace_elems}")
         self.workspace_elems = int(workspace_elems)
         self.save_probs = bool(save_probs)
+        if use_kernels is not None:
+            if backend != "auto":
+                raise ValueError(f"give use_kernels={use_kernels} or backend={backend!r}, not both")
+            backend = "numba" if use_kernels else "torch"
         self.use_kernels = use_kernels
+        self.backend = backends.check_backend(backend, self.dropout)
+        flex_tile(flex_block_size)
+        self.flex_block_size = flex_block_size
+        self.flex_kernel_options = flex_kernel_options
         self.master_layout = sparsity_config.make_layout(max_seq_length)
-        self._luts: dict[tuple, object] = {}
+        self._luts: dict[tuple, object] = {}  # lookup tables and BlockMasks per (kind, length, device)
         self._prob_buffer = ReusableBuffer()  # saved probabilities, reused from step to step
 
     def release_buffers(self) -> None:
@@ -127,7 +149,7 @@ class SparseSelfAttention(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"{self.sparsity_config!r}, max_seq_length={self.max_seq_length}, "
-                f"causal={self.causal}, dropout={self.dropout}")
+                f"causal={self.causal}, dropout={self.dropout}, backend={self.backend!r}")
 
     # -- layout -----------------------------------------------------------------------------
     def layout(self, seq_len: int) -> torch.Tensor:
@@ -194,21 +216,44 @@ class SparseSelfAttention(torch.nn.Module):
         am = None if attn_mask is None else _additive(attn_mask, self.attn_mask_mode, "attn_mask")
         if bool(layout.all()):
             return self._dense(query, key, value, kp, am, scale, dropout)
+        backend = self.backend_for(query)
+        if backend == "flex":
+            return flex_block_sparse_attention(
+                query, key, value, self.flex_block_mask(seq_len, query.device), scale, kp, am,
+                compile_backend="inductor" if query.is_cuda else None,
+                kernel_options=self.flex_kernel_options)
         lut = self.lut(seq_len, query.device)
+        if backend == "numba":
+            kernels = _cuda_kernels(block=lut.block)
+            key_ = ("kernel", seq_len, query.device)
+            if key_ not in self._luts:
+                self._luts[key_] = kernels.build_kernel_lut(lut.layout, lut.block, query.device)
+            return kernels.block_sparse_attention(query, key, value, self._luts[key_], scale,
+                                                  kp, am, self.causal, dropout)
         masks = MaskSpec(key_padding=kp, attn=am, causal=self.causal)
-        if query.is_cuda and self.use_kernels is not False:
-            kernels = _cuda_kernels(required=bool(self.use_kernels), block=lut.block)
-            if kernels is not None:
-                key_ = ("kernel", seq_len, query.device)
-                if key_ not in self._luts:
-                    self._luts[key_] = kernels.build_kernel_lut(lut.layout, lut.block, query.device)
-                return kernels.block_sparse_attention(query, key, value, self._luts[key_], scale,
-                                                      kp, am, self.causal, dropout)
-        elif self.use_kernels:
-            raise RuntimeError("use_kernels=True needs CUDA tensors; got tensors on "
-                               f"{query.device}")
         return block_sparse_attention(query, key, value, lut, masks, scale, dropout,
                                       self.workspace_elems, self.save_probs, self._prob_buffer)
+
+    def backend_for(self, query: torch.Tensor) -> str:
+        """The backend a call with ``query`` runs on (layouts with every block present aside)."""
+        if self.backend == "auto":
+            return backends.auto_backend(query.device.type, query.dtype, self.dropout,
+                                         self.sparsity_config.block)
+        if self.backend == "numba" and not query.is_cuda:
+            raise RuntimeError(f"backend 'numba' (use_kernels=True) needs CUDA tensors; got tensors on {query.device}")
+        if self.backend == "flex":
+            reason = backends.flex_unavailable_reason(query.device.type)
+            if reason is not None:
+                raise RuntimeError(f"backend 'flex' unavailable: {reason}")
+        return self.backend
+
+    def flex_block_mask(self, seq_len: int, device: torch.device):
+        """The FlexAttention ``BlockMask`` of ``seq_len`` tokens, built once per length and device."""
+        key = ("flex", seq_len, device)
+        if key not in self._luts:
+            self._luts[key] = layout_block_mask(self.layout(seq_len), self.sparsity_config.block,
+                                                seq_len, self.causal, device, self.flex_block_size)
+        return self._luts[key]
 
     def _dense(self, q, k, v, kp, am, scale, dropout):
         if kp is None and am is None:
@@ -230,20 +275,10 @@ class SparseSelfAttention(torch.nn.Module):
         return torch.nan_to_num(out, nan=0.0)
 
 
-def _cuda_kernels(required: bool, block: int):
-    try:
-        from zkit_cuda_numba import attention as kernels
-    except ImportError as exc:
-        if required:
-            raise RuntimeError(
-                "use_kernels=True needs the zkit-cuda-numba distribution: pip install zkit-cuda-numba"
-            ) from exc
-        return None
-    reason = kernels.unavailable_reason()
-    if reason is None and block not in kernels.SUPPORTED_BLOCKS:
-        reason = f"block size {block} is not one of the kernels' {kernels.SUPPORTED_BLOCKS}"
+def _cuda_kernels(block: int):
+    reason = backends.numba_unavailable_reason(block)
     if reason is not None:
-        if required:
-            raise RuntimeError(f"Numba-CUDA block-sparse kernels unavailable: {reason}")
-        return None
+        raise RuntimeError(f"backend 'numba' (use_kernels=True): Numba-CUDA block-sparse kernels unavailable: {reason}")
+    from zkit_cuda_numba import attention as kernels
+
     return kernels

@@ -4,6 +4,7 @@ from __future__ import annotations
 import zkit
 from zkit.records import AttentionRecord, ConfigSectionRecord
 
+from zkit_sparse import backends
 from zkit_sparse.config import SparseAttentionConfig
 from zkit_sparse.factory import make_block_sparse_attention
 from zkit_sparse.registry import available_layouts
@@ -14,7 +15,7 @@ def zkit_register_attention():
     yield AttentionRecord(
         name="block_sparse",
         factory=make_block_sparse_attention,
-        description="block-sparse attention (DeepSpeed layouts); Numba-CUDA kernels on GPU",
+        description="block-sparse attention (DeepSpeed layouts); FlexAttention or Numba-CUDA kernels on GPU",
         aliases=("sparse",),
     )
 
@@ -37,3 +38,4 @@ def zkit_report():
     else:
         kernels = f"CUDA kernels from zkit-cuda-numba: {describe()}"
     yield "zkit-sparse", f"layouts: {', '.join(available_layouts())}; {kernels}"
+    yield "zkit-sparse backend", backends.describe()
