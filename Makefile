@@ -10,11 +10,12 @@ NPROC ?= 2
 STEPS ?= 200
 # The real DeepSpeed, in its own environment: tests compare against it and import its checkpoints
 # (they are skipped with a reason when it is missing). The C++ ops DeepSpeed would compile on first use
-# are built here, at set-up, rather than inside the tests.
+# are built here, at set-up, rather than inside the tests. pytest: contrib/deepspeed_unit_tests.py runs
+# DeepSpeed's own unit tests in it.
 PEERS_VENV ?= .venv-peers
 PEERS_STAMP := $(PEERS_VENV)/.installed
-PEER_PACKAGES := deepspeed==0.19.8 ninja py-cpuinfo psutil hjson pydantic msgpack einops transformers \
-                 accelerate safetensors
+PEER_PACKAGES := deepspeed==0.19.8 ninja py-cpuinfo psutil hjson pydantic msgpack einops transformers pytest \
+                 accelerate safetensors lightning
 
 .PHONY: setup peers demo test clean
 

@@ -42,13 +42,14 @@ def test_pair(results, pair):
             assert word.lower() in got["refused"].lower(), (pair, got["refused"])
         return
     assert "refused" not in got, f"{pair} is declared to work but initialize refused it: {got['refused']}"
+    assert not got["missing"], f"{pair} matches nothing: a feature left no trace: {got['missing']}"
     reference = results[matrix.reference_of(pair)]
     assert "params" in reference, (matrix.reference_of(pair), reference)
     tol = matrix.tolerance(pair)
     assert got["params"] and set(got["params"]) <= set(reference["params"]), pair
     for name, a in got["params"].items():  # a pipeline stage holds its own layers
         b = reference["params"][name]
-        scale = b.abs().max().clamp_min(1e-3)
+        scale = b.abs().max().clamp_min(matrix.scale_floor(pair))
         assert ((a - b).abs().max() / scale).item() <= tol, (pair, name, (a - b).abs().max().item(), scale.item())
 
 

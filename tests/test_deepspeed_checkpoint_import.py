@@ -166,6 +166,17 @@ def test_consolidate_equals_deepspeeds_zero_to_fp32(deepspeed_run, run, tmp_path
     assert all(torch.equal(half[n], want[n].to(torch.bfloat16)) for n in want)
 
 
+
+def test_zero_to_fp32_functions_equal_deepspeeds(deepspeed_run, tmp_path):
+    """``deepspeed.utils.zero_to_fp32`` on zkit writes what DeepSpeed's writes from the same
+    checkpoints: state dict, files, shards, index (checks in ``test_zero_to_fp32.py``)."""
+    from test_zero_to_fp32 import RUNS, check_against_deepspeed, convert_deepspeeds_outputs
+
+    root, _ = deepspeed_run
+    convert_deepspeeds_outputs(root)
+    for run in RUNS:
+        check_against_deepspeed(root, run, tmp_path / run)
+
 # -- bad input: without DeepSpeed ----------------------------------------------------------------------
 
 class _RunsCode:

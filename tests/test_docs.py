@@ -19,3 +19,11 @@ def test_every_plugin_has_a_readme_with_install_and_use():
     for dist in ["plugins/zkit-offload", "plugins/zkit-onebit", "plugins/zkit-pipeline", "plugins/zkit-sparse", "cuda_numba"]:
         readme = (ROOT / dist / "README.md").read_text()
         assert "pip install" in readme, dist
+
+
+def test_the_index_names_every_page():
+    index = (ROOT / "docs" / "index.md").read_text()
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        name = page.relative_to(ROOT / "docs").as_posix()
+        if name != "index.md":
+            assert f"]({name})" in index, f"docs/index.md does not list {name}"

@@ -21,6 +21,8 @@ from typing import Any, Iterator
 
 import attrs
 
+from zkit.profiling import span
+
 ENV_TIMEOUT = "ZKIT_COMMS_TIMEOUT_S"
 
 
@@ -40,10 +42,12 @@ _PHASE = _Phase()
 
 @contextlib.contextmanager
 def phase(name: str) -> Iterator[None]:
-    """Name what this rank is doing (nested names are joined with ': ')."""
+    """Name what this rank is doing (nested names are joined with ': '); while a profiler records,
+    the phase is also a range in its trace (:mod:`zkit.profiling`)."""
     _PHASE.stack.append(name)
     try:
-        yield
+        with span(name):
+            yield
     finally:
         _PHASE.stack.pop()
 

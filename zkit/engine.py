@@ -22,14 +22,17 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from zkit import diagnostics, distributed, host_memory
+from zkit.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
 from zkit.config import ZkitConfig, load_config
 from zkit.microstep import MicroStep
+from zkit.offload_states import require_on_device
 from zkit.partition import PartitionContext, Partitioner
 from zkit.plugins import ZkitPluginManager, get_plugin_manager
 from zkit.precision import LossScaler, cast_model
 from zkit.records import OptimizerRecord
 from zkit.stack import Stack, configure
 from zkit.stash import Stash
+from zkit.zero.init_adopt import adopt_init_model
 
 log = logging.getLogger("zkit")
 
@@ -131,6 +134,8 @@ class Engine(torch.nn.Module):
         collate_fn: Any = None,
     ) -> None:
         super().__init__()
+        # torch.compile(model): train the model itself, compiled in place the same way (zkit.compile)
+        model, compiled_with = unwrap_compiled(model)
         distributed.ensure_initialized()
         self.pm: ZkitPluginManager = get_plugin_manager(extra_plugins=stack.plugins)
         #: plugins' per-engine state (``engine.stash[key]``, see :mod:`zkit.stash`)
@@ -149,7 +154,11 @@ class Engine(torch.nn.Module):
         self.stack, self.records = configure(self.pm, stack, self.config, self.device)
 
         self.dtype = self.config.dtype
+        # built under zkit.zero.Init: units this partitioner would not keep as they are, whole again
+        adopt_init_model(model, self.records["partitioner"].stage, world)
         self.module = cast_model(model, self.dtype, self.device)
+        if compiled_with is not None:
+            compile_in_place(self.module, self.records["partitioner"].stage, compiled_with)
         self.comm = self.records["communicator"].factory(dp_group, self.config)
         #: the whole world (a pipeline's point-to-point transfers); the same object without a group
         self.world_comm = self.comm if dp_group is None else self.records["communicator"].factory(None, self.config)
@@ -188,6 +197,8 @@ class Engine(torch.nn.Module):
         self.global_samples = 0
         self.skipped_steps = 0
         self._nonfinite_in_a_row = 0  # consecutive bf16/fp32 steps skipped for a NaN or infinity
+        #: backward passes whose gradients wait for the optimizer step (a checkpoint cannot hold them)
+        self.pending_micro_steps = 0
         self._step_applied = False
         self._grad_norm: float | None = None
         self._no_sync = False
@@ -383,6 +394,19 @@ class Engine(torch.nn.Module):
         self.skipped_steps = int(state["skipped_steps"])
         self.loss_scaler.load_state_dict(state["loss_scaler"])
 
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile the module's forward with ``torch.compile`` (DeepSpeed's call; a second call does
+        nothing). The engine's hooks, reductions and optimizer step stay eager; see :mod:`zkit.compile`."""
+        if not self.is_compiled:
+            compile_module(self.module, self.partitioner.stage, backend, compile_kwargs, schedule,
+                           compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the module's forward runs under ``torch.compile``."""
+        return is_compiled(self.module)
+
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Collective kind -> ``{"calls", "bytes"}`` sent by this rank since start (or reset)."""
         return self.comm.stats()
@@ -410,6 +434,7 @@ class Engine(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
+        require_on_device(self, "forward")
         # the probe inside the partitioner's context: its saved-tensor hooks pass on to stage 3's
         with self.wall_clock.time("forward"), diagnostics.phase("forward"), self.partitioner.forward_context(), \
                 self.step_probe.forward():
@@ -436,6 +461,7 @@ class Engine(torch.nn.Module):
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
         self._losses.append(loss.detach().float())
+        self.pending_micro_steps += 1
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         micro = self.micro_step_protocol  # the hooks and the partitioner's reduction around it
         with self.wall_clock.time("backward"), diagnostics.phase("backward"):
@@ -447,6 +473,7 @@ class Engine(torch.nn.Module):
         """End a micro-step; at an accumulation boundary, run the optimizer step."""
         if self.inference_only:
             raise RuntimeError(_NO_OPTIMIZER)
+        require_on_device(self, "step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
@@ -465,6 +492,7 @@ class Engine(torch.nn.Module):
         pipeline schedule) calls it where its schedule steps."""
         with self.wall_clock.time("step"), diagnostics.phase("optimizer.step"):
             self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
+        self.pending_micro_steps = 0  # the batch's gradients are spent (or dropped, if skipped)
         return self._step_applied
 
     def finish_global_batch(self, loss: torch.Tensor) -> None:
@@ -544,15 +572,24 @@ class Engine(torch.nn.Module):
         return bool(bad.item() > 0)
 
     def _skip_nonfinite_step(self) -> None:
-        """Say why a step was skipped; in bf16/fp32 stop after ``nonfinite_steps_limit`` in a row
-        (fp16's loss scaler handles its own overflows)."""
+        """Say why a step was skipped; stop after ``nonfinite_steps_limit`` in a row in bf16/fp32 and
+        with a static fp16 loss scale (a dynamic one shrinks until ``min_loss_scale`` stops the job)."""
         step = self.global_steps + 1
+        limit = self.config.nonfinite_steps_limit
         if self.loss_scaler.enabled:
+            if not self.loss_scaler.dynamic:
+                self._nonfinite_in_a_row += 1
+                if self._nonfinite_in_a_row > limit:
+                    raise FloatingPointError(
+                        f"step {step}: fp16 gradients overflowed for {self._nonfinite_in_a_row} steps in a row with the "
+                        f"static loss scale {self.loss_scaler.scale:g} (fp16.loss_scale; nonfinite_steps_limit is "
+                        f"{limit}); training stopped. Lower fp16.loss_scale, set it to 0 for dynamic loss scaling, or "
+                        f"train in bf16"
+                    )
             if self.rank == 0:
                 log.warning("step %d: gradient overflow, step skipped; loss scale now %g", step, self.loss_scaler.scale)
             return
         self._nonfinite_in_a_row += 1
-        limit = self.config.nonfinite_steps_limit
         if self._nonfinite_in_a_row > limit:
             raise FloatingPointError(
                 f"step {step}: the loss or the gradients were NaN or infinite for {self._nonfinite_in_a_row} "
@@ -639,11 +676,30 @@ class Engine(torch.nn.Module):
             )
 
     # -- checkpoints ------------------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None, save_latest: bool = True) -> str:
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """``exclude_frozen_parameters``: leave parameters with ``requires_grad=False`` out of the
+        module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
         from zkit.checkpoint import save_checkpoint
 
+        require_on_device(self, "save_checkpoint")
         with diagnostics.phase("save_checkpoint"):
-            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                   exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move optimizer state, master, parameters and gradients off the device until
+        :meth:`reload_states` (DeepSpeed's call; see :mod:`zkit.offload_states`)."""
+        from zkit.offload_states import offload_states
+
+        offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what :meth:`offload_states` moved."""
+        from zkit.offload_states import reload_states
+
+        reload_states(self, non_blocking)
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False

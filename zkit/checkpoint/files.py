@@ -118,12 +118,31 @@ def load_rank_file(path: Path) -> dict[str, Any]:
     return data
 
 
+def read_latest(latest: Path) -> str:
+    """The tag a ``latest`` file names: UTF-8 text without NUL bytes (a file that is not, e.g.
+    overwritten by a crash or another program, is refused naming it)."""
+    data = latest.read_bytes()
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"{latest}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); it should hold the tag "
+            f"of the latest checkpoint: rewrite it, or pass tag= to load a specific checkpoint"
+        ) from None
+    if "\0" in tag:
+        raise CheckpointError(
+            f"{latest}: holds a NUL byte (at offset {data.index(0)}); it should hold the tag of the latest "
+            f"checkpoint: rewrite it, or pass tag= to load a specific checkpoint"
+        )
+    return tag
+
+
 def resolve_tag(load_dir: Path, tag: str | None) -> str:
     if tag is None:
         latest = load_dir / LATEST
         if not latest.is_file():
             raise CheckpointError(f"{latest}: no 'latest' file; pass tag= to load a specific checkpoint")
-        tag = latest.read_text().strip()
+        tag = read_latest(latest)
         source = f"{latest} names tag {tag!r}, which"
     else:
         source = f"tag {tag!r}"

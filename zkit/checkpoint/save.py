@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zkit.checkpoint import rng
+from zkit.checkpoint.accumulation import refuse_partial_accumulation
 from zkit.checkpoint.digest import payload_digests
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.files import FORMAT, LATEST, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
@@ -26,13 +27,19 @@ def _piece_state(engine: "Engine", opt_param: torch.Tensor) -> dict[str, Any]:
     return {k: (v.detach().cpu().clone() if torch.is_tensor(v) else v) for k, v in state.items()}
 
 
-def module_extras(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """State the partitioner does not own: buffers and frozen parameters."""
+def module_extras(module: torch.nn.Module, exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
+    """State the partitioner does not own: buffers and (unless excluded) frozen parameters."""
     out = {name: b.detach().cpu().clone() for name, b in module.named_buffers()}
-    out.update(
-        {name: p.detach().cpu().clone() for name, p in module.named_parameters() if not p.requires_grad}
-    )
+    if not exclude_frozen_parameters:
+        out.update(
+            {name: p.detach().cpu().clone() for name, p in module.named_parameters() if not p.requires_grad}
+        )
     return out
+
+
+def _frozen_names(module: torch.nn.Module) -> set[str]:
+    """Every name (tied aliases too) under which a frozen parameter is reachable."""
+    return {name for name, p in module.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def tensor_aliases(module: torch.nn.Module) -> dict[str, str]:
@@ -84,7 +91,9 @@ def _validate_tag(tag: str, world: Any, mode: str) -> str:
     return tags[0]
 
 
-def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_state: dict, save_latest: bool) -> str:
+def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_state: dict, save_latest: bool,
+                    exclude_frozen_parameters: bool = False) -> str:
+    refuse_partial_accumulation(engine)  # before anything is written
     comm, rank = engine.comm, engine.rank
     world = getattr(engine, "world_comm", comm)
     part = model_part(engine.module)
@@ -126,7 +135,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
     }
     if rank == 0:
         payload["client_state"] = client_state
-        payload["module_extras"] = module_extras(engine.module)
+        payload["module_extras"] = module_extras(engine.module, exclude_frozen_parameters)
         payload["param_groups"] = [
             {k: v for k, v in g.items() if k != "params"} for g in engine.optimizer.param_groups
         ]
@@ -141,7 +150,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
     gathered = comm.all_gather_object(([[p.name, p.start, p.end] for p in pieces], digests, failure))
     failures = [f for _, _, f in gathered if f]
     if rank == 0 and not failures:
-        meta = _meta(engine, tag, [entries for entries, _, _ in gathered])
+        meta = _meta(engine, tag, [entries for entries, _, _ in gathered], exclude_frozen_parameters)
         meta["checksums"] = {rank_file(r): d for r, (_, d, _) in enumerate(gathered)}
         if part is not None:
             meta["part"], meta["layout"] = part
@@ -169,9 +178,10 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
     return str(final)
 
 
-def _meta(engine: "Engine", tag: str, index: list[Any]) -> dict[str, Any]:
+def _meta(engine: "Engine", tag: str, index: list[Any], exclude_frozen_parameters: bool = False) -> dict[str, Any]:
     part = engine.partitioner
-    return {
+    left_out = _frozen_names(engine.module) if exclude_frozen_parameters else set()
+    meta = {
         "format": FORMAT,
         "version": VERSION,
         "tag": tag,
@@ -190,6 +200,10 @@ def _meta(engine: "Engine", tag: str, index: list[Any]) -> dict[str, Any]:
         "index": {rank_file(r): entries for r, entries in enumerate(index)},
         # What a consolidated state dict needs beyond the pieces and module extras: every key
         # model.state_dict() has (persistent buffers only) and the tied names among them.
-        "state_dict_keys": list(engine.module.state_dict(keep_vars=True)),
-        "aliases": tensor_aliases(engine.module),
+        "state_dict_keys": [k for k in engine.module.state_dict(keep_vars=True) if k not in left_out],
+        "aliases": {k: v for k, v in tensor_aliases(engine.module).items() if k not in left_out},
     }
+    # which names are frozen parameters (a consolidation may leave them out), and whether they were saved
+    meta["frozen_parameters"] = sorted(_frozen_names(engine.module))
+    meta["frozen_parameters_saved"] = not exclude_frozen_parameters
+    return meta

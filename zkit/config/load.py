@@ -14,6 +14,7 @@ from zkit.config.batch import GAS, MICRO, TB, resolve_batch
 from zkit.config.errors import ConfigError
 from zkit.config.fields import config_fields, is_section_type, type_options
 from zkit.config.plugin_keys import PLUGIN_KEYS
+from zkit.config.scalars import plain_scalars
 from zkit.config.schema import ZkitConfig
 from zkit.config.structure import Context, structure
 from zkit.records import ConfigSectionRecord
@@ -43,7 +44,7 @@ def load_config(
     elif isinstance(source, (str, os.PathLike)):
         data = _read_json(Path(source))
     elif isinstance(source, Mapping):
-        data = copy.deepcopy(dict(source))
+        data = plain_scalars(copy.deepcopy(dict(source)))
     else:
         raise ConfigError(
             "a config must be a dict, a path to a JSON file or a ZkitConfig, "

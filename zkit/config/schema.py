@@ -11,6 +11,7 @@ from zkit.config.fields import (
     DTYPE_NAMES,
     above,
     at_least,
+    between,
     internal,
     normalize_dtype,
     one_of,
@@ -83,7 +84,11 @@ class ZkitConfig:
         False, doc="Divide gradients by the world size before reducing them."
     )
     gradient_predivide_factor: float = setting(
-        1.0, check=above(0), doc="Divide gradients by this before reducing, the rest after."
+        1.0,
+        # gradients are multiplied by 1/factor before the reduction and factor/world after it:
+        # outside this range one of the two underflows or overflows the reduction's dtype
+        check=between(1e-6, 1e6),
+        doc="Divide gradients by this before reducing, the rest after.",
     )
     communication_data_type: str | None = setting(
         None,
@@ -110,8 +115,9 @@ class ZkitConfig:
     nonfinite_steps_limit: int = setting(
         10,
         check=at_least(0),
-        doc="Consecutive bf16/fp32 steps with a non-finite loss, gradient or gradient norm (each skipped with a "
-        "warning) before the job stops with an error; 0 stops at the first (zkit).",
+        doc="Consecutive bf16/fp32 steps with a non-finite loss, gradient or gradient norm, or fp16 steps that "
+        "overflow with a static loss scale (each skipped with a warning), before the job stops with an error; 0 "
+        "stops at the first (zkit). A dynamic fp16 loss scale stops at fp16.min_loss_scale instead.",
     )
     comms_timeout_s: float = setting(
         300.0,

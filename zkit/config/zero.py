@@ -31,9 +31,16 @@ class ZeroConfig:
     """Sets the ZeRO stage and its buffers. Stage 0 is plain data parallelism; 1 partitions
     optimizer states, 2 also gradients, 3 also parameters."""
 
-    #: old key names DeepSpeed still reads -> the current names
+    #: other names DeepSpeed reads -> zkit's keys: a deprecated name, and the field names of
+    #: DeepSpeed's pydantic model, which accepts ``prefetch_bucket_size`` as well as its alias
+    #: ``stage3_prefetch_bucket_size`` (zkit's key)
     key_aliases: ClassVar[dict[str, str]] = {
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        **{name: f"stage3_{name}" for name in (
+            "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+            "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+            "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+        )},
     }
 
     stage: int = setting(0, check=between(0, 3), doc="ZeRO stage: 0 (off), 1, 2 or 3.")

@@ -23,6 +23,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from zkit.compile import eager
+
 
 class StepProbe:
     """Measures the first training micro-step of ``module``; see the module docstring.
@@ -51,7 +53,8 @@ class StepProbe:
             return
         counter = FlopCounterMode(display=False)
         memory = _CudaPeak() if _on_cuda(self.module) else _SavedBytes(self.module)
-        with memory, counter:
+        # Dynamo refuses frames under a dispatch mode for good: a compiled module runs this one eagerly
+        with memory, counter, eager(self.module):
             yield
         self._forward_flops = counter.get_total_flops()
         self._forward_activation_bytes = memory.nbytes

@@ -21,6 +21,12 @@ Under ZeRO each rank holds *pieces* of parameters. After :meth:`Lamb.set_shard_n
 assembled across ranks: every piece's sums of squares are scatter-added into a ``[2, num_params]``
 tensor (rows: weight, update), one all-reduce sums it over the ranks, and each piece reads back the
 norms of its whole parameter. The result equals LAMB on unsharded parameters.
+
+Under tensor parallelism some parameters are *sliced* over a second group of ranks (each holds a
+different part of the whole). After :meth:`Lamb.set_sliced_norms` the squared norms of those
+parameters are also summed over that group (one more all-reduce of their columns only), and so is
+the sliced part of each group's gradient norm for ``max_grad_norm``; parameters held whole on every
+rank of that group count once.
 """
 from __future__ import annotations
 
@@ -43,7 +49,9 @@ class _ShardNorms:
 
     index: tuple[int, ...]  # model parameter index of each optimizer parameter, param-group order
     num_params: int
-    all_reduce: Callable[[torch.Tensor], None]
+    all_reduce: Callable[[torch.Tensor], None] | None  # over data-parallel pieces; None: none spread
+    sliced: tuple[int, ...] = ()  # model indices of the parameters sliced over a second group
+    sliced_all_reduce: Callable[[torch.Tensor], None] | None = None  # sums over that group
 
 
 class Lamb(torch.optim.Optimizer):
@@ -131,28 +139,76 @@ class Lamb(torch.optim.Optimizer):
         per-group squared gradient norms comes first: the clipped gradients feed the moments,
         so that norm is needed before the update exists and cannot share its collective.
         """
+        index = self._mapping("set_shard_norms", param_index, num_params, all_reduce)
+        old = self._shard
+        if old is None:
+            self._shard = _ShardNorms(index, num_params, all_reduce)
+        else:  # a new mapping (param_groups changed); the sliced parameters stay
+            if old.sliced and old.num_params != num_params:
+                self._same_mapping("set_shard_norms", index, num_params)
+            self._shard = attrs.evolve(old, index=index, num_params=num_params, all_reduce=all_reduce)
+
+    def set_sliced_norms(
+        self,
+        param_index: Sequence[int],
+        num_params: int,
+        sliced: Iterable[int],
+        all_reduce: Callable[[torch.Tensor], None],
+    ) -> None:
+        """Some model parameters are sliced over a second group of ranks (tensor parallelism):
+        sum their squared norms over that group too, so the trust ratio sees whole parameters.
+
+        ``param_index`` and ``num_params`` number the model parameters as for
+        :meth:`set_shard_norms` (the same numbering when both are called, in either order; here
+        also when this rank holds its parameters whole). ``sliced``: the indices of the sliced
+        parameters, the same on every rank of the group. ``all_reduce(t)`` sums ``t`` in place
+        over the group. From then on every :meth:`step` issues one more ``all_reduce`` (of a
+        ``[2, len(sliced)]`` tensor), and with ``max_grad_norm > 0`` one more of the per-group
+        squared norms of the sliced gradients, on every rank of the group."""
+        index = self._mapping("set_sliced_norms", param_index, num_params, all_reduce)
+        cols = set()
+        for i in sliced:
+            cols.add(self._index_of("set_sliced_norms", i, num_params))
+        if self._shard is None or self._shard.all_reduce is None:
+            shard = _ShardNorms(index, num_params, None)
+        else:
+            shard = self._same_mapping("set_sliced_norms", index, num_params)
+        self._shard = attrs.evolve(shard, sliced=tuple(sorted(cols)), sliced_all_reduce=all_reduce)
+
+    def _mapping(self, caller: str, param_index: Sequence[int], num_params: int,
+                 all_reduce: Callable[[torch.Tensor], None]) -> tuple[int, ...]:
         if isinstance(num_params, bool) or not isinstance(num_params, int) or num_params < 1:
-            raise ValueError(f"{_OWNER}: set_shard_norms needs num_params >= 1, got {num_params!r}")
+            raise ValueError(f"{_OWNER}: {caller} needs num_params >= 1, got {num_params!r}")
         if not callable(all_reduce):
-            raise TypeError(f"{_OWNER}: set_shard_norms needs a callable all_reduce, got {all_reduce!r}")
-        index = []
-        for i in param_index:
-            try:
-                i = operator.index(i)
-            except TypeError:
-                raise TypeError(f"{_OWNER}: set_shard_norms: parameter index {i!r} is not an integer") from None
-            if not 0 <= i < num_params:
-                raise ValueError(
-                    f"{_OWNER}: set_shard_norms: parameter index {i} is outside 0..{num_params - 1}"
-                )
-            index.append(int(i))
+            raise TypeError(f"{_OWNER}: {caller} needs a callable all_reduce, got {all_reduce!r}")
+        index = tuple(self._index_of(caller, i, num_params) for i in param_index)
         held = sum(len(g["params"]) for g in self.param_groups)
         if len(index) != held:
             raise ValueError(
-                f"{_OWNER}: set_shard_norms got {len(index)} parameter indices for the "
+                f"{_OWNER}: {caller} got {len(index)} parameter indices for the "
                 f"{held} parameters in param_groups"
             )
-        self._shard = _ShardNorms(tuple(index), num_params, all_reduce)
+        return index
+
+    @staticmethod
+    def _index_of(caller: str, i: Any, num_params: int) -> int:
+        try:
+            i = operator.index(i)
+        except TypeError:
+            raise TypeError(f"{_OWNER}: {caller}: parameter index {i!r} is not an integer") from None
+        if not 0 <= i < num_params:
+            raise ValueError(f"{_OWNER}: {caller}: parameter index {i} is outside 0..{num_params - 1}")
+        return int(i)
+
+    def _same_mapping(self, caller: str, index: tuple[int, ...], num_params: int) -> _ShardNorms:
+        """The mapping already set, which a second call must repeat (both number one model)."""
+        shard = self._shard
+        if (shard.index, shard.num_params) != (index, num_params):
+            raise ValueError(
+                f"{_OWNER}: {caller} numbers the parameters differently from the earlier "
+                f"set_shard_norms / set_sliced_norms call"
+            )
+        return shard
 
     def get_lamb_coeffs(self) -> list[float]:
         """The trust ratios of the last step, one per parameter that had a gradient, in
@@ -219,14 +275,18 @@ class Lamb(torch.optim.Optimizer):
         acc = _accumulation_dtype(home)
         prepared = [(group, self._prepare(group)) for group in self.param_groups]
 
+        sliced = set(shard.sliced)
         if grad_norms is None and any(g["max_grad_norm"] > 0 for g in self.param_groups):
-            # Each piece belongs to one group, so a group's squared norm is the sum over ranks.
-            sq = torch.zeros(len(prepared), dtype=acc, device=home)
+            # Each piece belongs to one group, so a group's squared norm is the sum over ranks;
+            # column 1 holds the slices, which are summed over the slicing group as well.
+            sq = torch.zeros(len(prepared), 2, dtype=acc, device=home)
             for gi, (_, params) in enumerate(prepared):
                 for idx in _buckets(params):
-                    sq[gi] += _norms([params[i].grad for i in idx]).to(home, acc).square().sum()
-            shard.all_reduce(sq)
-            grad_norms = list(sq.sqrt_().unbind())
+                    part = _norms([params[i].grad for i in idx]).to(home, acc).square()
+                    cols = [int(model_index[id(params[i])] in sliced) for i in idx]
+                    sq[gi].index_add_(0, torch.tensor(cols, device="cpu").to(home), part)
+            self._all_reduce(shard, sq, torch.ones(1, dtype=torch.long, device=home) if sliced else None)
+            grad_norms = list(sq.sum(1).sqrt_().unbind())
 
         work = []  # (group index, positions in the group, bucket): every bucket of every group
         clips = []
@@ -244,7 +304,8 @@ class Lamb(torch.optim.Optimizer):
             partial = torch.stack([_norms(bucket), _norms(neg_update)]).to(home, acc).square()
             sums.index_add_(1, where, partial)  # pieces of one parameter add up
             updates.append((neg_update, where))
-        shard.all_reduce(sums)  # on every rank, every step: a rank holding nothing sends zeros
+        # on every rank, every step: a rank holding nothing sends zeros
+        self._all_reduce(shard, sums, torch.tensor(shard.sliced, device="cpu").to(home) if sliced else None)
         norms = sums.sqrt_()
 
         parts: list[list[tuple[list[int], torch.Tensor]]] = [[] for _ in prepared]
@@ -252,6 +313,16 @@ class Lamb(torch.optim.Optimizer):
             w_norm, u_norm = norms[:, where].to(bucket[0].device, _norm_dtype(bucket[0].dtype))
             parts[gi].append((idx, _apply(prepared[gi][0], bucket, neg_update, w_norm, u_norm)))
         self._lamb_coeffs = [(len(params), p) for (_, params), p in zip(prepared, parts) if params]
+
+    @staticmethod
+    def _all_reduce(shard: _ShardNorms, t: torch.Tensor, sliced_cols: torch.Tensor | None) -> None:
+        """Sum ``t`` (``[k, n]``) over the pieces' ranks, then its ``sliced_cols`` over the slices'."""
+        if shard.all_reduce is not None:
+            shard.all_reduce(t)
+        if sliced_cols is not None:
+            part = t.index_select(1, sliced_cols)
+            shard.sliced_all_reduce(part)
+            t.index_copy_(1, sliced_cols, part)
 
     def _prepare(self, group: dict[str, Any]) -> list[torch.Tensor]:
         """The group's parameters that have a gradient, checked, with their state created."""

@@ -105,3 +105,29 @@ def set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, key: str)
             raise KeyError(f"the optimizer has no {key!r} state for this parameter yet (it has "
                            f"{', '.join(sorted(state)) or 'none'})")
         state[key].view(-1).copy_(flat[pc.start:pc.end].to(state[key].device))
+
+
+def _grad_views(part: "Partitioner") -> dict[tuple[str, int, int], torch.Tensor]:
+    return {(g.name, g.start, g.end): g.grad for g in part.reduced_grads()}
+
+
+def get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
+    """The parameter's reduced gradient, whole, in fp32, on every rank (every rank calls it
+    together), between the last backward of a batch and ``step``; None where there is none. As
+    DeepSpeed's ``safe_get_full_grad``: averaged over the data-parallel ranks, and still
+    multiplied by the loss scale under fp16."""
+    part = _owner(param)
+    views = _grad_views(part)
+    return _full(part, param, lambda pc: views.get((pc.name, pc.start, pc.end)))
+
+
+def set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Replace the parameter's reduced gradient with ``value`` (its full shape) before ``step``."""
+    part = _owner(param)
+    _, pieces = _pieces(part, param)
+    views = _grad_views(part)
+    flat = value.detach().reshape(-1)
+    for pc in pieces:
+        view = views.get((pc.name, pc.start, pc.end))
+        if view is not None:
+            view.view(-1).copy_(flat[pc.start:pc.end].to(view.device, view.dtype))

@@ -138,7 +138,11 @@ class Init:
         self._patched.append((cls, ("__init__", original)))
 
     def _partition(self, module: torch.nn.Module) -> None:
-        own = [(n, p) for n, p in module.named_parameters(recurse=False) if not isinstance(p, ZeroParameter)]
+        # A tensor-parallel slice (``tensor_parallel = True``, set by zkit-pipeline's layers as they
+        # are built) differs on every tensor rank: broadcasting rank 0's would overwrite it, and a
+        # unit over the world would mix the slices. It stays whole on its rank, as without Init.
+        own = [(n, p) for n, p in module.named_parameters(recurse=False)
+               if not isinstance(p, ZeroParameter) and not getattr(p, "tensor_parallel", False)]
         if not own:
             return
         with torch.no_grad():

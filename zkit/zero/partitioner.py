@@ -71,7 +71,8 @@ class ZeroPartitioner(Partitioner):
         self.reduce_op, self.pre_scale, self.post_scale = _gradient_averaging(ctx.config, self.comm.world_size)
 
         named = list(self.named_trainable())
-        if not named:
+        if not named and getattr(self.module, "model_parallel_part", None) is None:
+            # A part of a split model (a frozen pipeline stage) still runs: it passes gradients on.
             raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
         self.param_of = dict(named)
         self.units = self._plan_units(named)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from zkit.copies import DONE, Copy
+from zkit.profiling import span
 from zkit.zero.flat import Unit
 
 
@@ -454,15 +455,16 @@ class ShardedUnit:
         """Drop the full buffer (unless persistent); parameters become placeholders."""
         if self.full is None or (self.persistent and not force):
             return
-        if self.handle is not None:
-            self._finish_gather()
-        for p in self.params:
-            p.data = _placeholder(p)
-            p._zkit_released = True
-        self.allocator.release(self.full, "param")
-        full, self.full = self.full, None
-        if self.spares is not None:
-            self.spares.give(full)
+        with span("release %r", self.module_name or "root"):  # host time per release in profiler traces
+            if self.handle is not None:
+                self._finish_gather()
+            for p in self.params:
+                p.data = _placeholder(p)
+                p._zkit_released = True
+            self.allocator.release(self.full, "param")
+            full, self.full = self.full, None
+            if self.spares is not None:
+                self.spares.give(full)
 
     def write_back(self, rank: int) -> None:
         """Copy this rank's range of the (gathered, possibly edited) full buffer into its shard."""

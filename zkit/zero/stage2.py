@@ -38,7 +38,7 @@ class Stage2(ZeroPartitioner):
         self.grads_beside_master = self.master_store is None and self.allocator.grads_beside_master()
         self._staged: list[torch.Tensor] = []
         buckets = 2 if self.ctx.config.zero_optimization.overlap_comm and len(self.units) > 1 else 1
-        self._ring = ScratchRing(max(u.padded for u in self.units), buckets)
+        self._ring = ScratchRing(max((u.padded for u in self.units), default=0), buckets)
         #: the ring's segments (a bucket of the largest unit each), made by a batch's reductions as
         #: needed and handed back after the step
         self._segments: list[torch.Tensor | None] = [None] * buckets

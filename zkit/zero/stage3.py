@@ -25,6 +25,8 @@ import torch
 
 from zkit import diagnostics
 from zkit.zero.flat import Unit, persistent_units, plan_units
+from zkit.zero.init_adopt import stage3_groups
+from zkit.zero.returned import returned_params
 from zkit.zero.reuse import kept_after_use
 from zkit.zero.sharded_params import ACTIVE, GatheredElements, ShardedUnit, SpareBuffers, unpack_saved
 from zkit.zero.stage2 import Stage2
@@ -39,17 +41,7 @@ class Stage3(Stage2):
 
     # -- layout ----------------------------------------------------------------------------------
     def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
-        seen: set[int] = set()
-        groups: list[tuple[str, list[tuple[str, torch.nn.Parameter]]]] = []
-        for mname, module in self.module.named_modules():
-            own = [
-                (f"{mname}.{n}" if mname else n, p)
-                for n, p in module.named_parameters(recurse=False)
-                if p.requires_grad and id(p) not in seen
-            ]
-            seen.update(id(p) for _, p in own)
-            if own:
-                groups.append((mname, own))
+        groups = stage3_groups(self.module)
         groups.reverse()  # backward order, so reductions launch as gradients arrive
         self.unit_modules = [mname for mname, _ in groups]
         units = []
@@ -69,7 +61,10 @@ class Stage3(Stage2):
         )
         for u, params, mname, keep in zip(self.units, self.unit_params, self.unit_modules, persistent):
             existing = getattr(params[0], "_zkit_unit", None)
-            if existing is not None and [p for p in existing.params] == params and existing.unit.padded == u.padded:
+            # by identity (``==`` on parameters would compare values); a unit Init made that is not
+            # exactly this one was gathered whole by initialize (zkit.zero.init_adopt)
+            if (existing is not None and len(existing.params) == len(params)
+                    and all(a is b for a, b in zip(existing.params, params)) and existing.unit.padded == u.padded):
                 su = existing  # built partitioned by zkit.zero.Init
                 su.unit, su.comm, su.allocator, su.module_name = u, self.comm, self.allocator, mname
                 if su.shard is None:
@@ -204,6 +199,8 @@ class Stage3(Stage2):
         def hook(module, args, output):
             if ACTIVE.fetch is None or self._phase != "forward" or self.sharded[index].persistent:
                 return
+            if any(p._zkit_unit is self.sharded[index] for p in returned_params(output)):
+                return  # the caller uses it: released at the end of forward (every forward alike)
             if not self.trace_frozen:
                 if index in self.trace:  # the position of this use: the unit's latest gather
                     position = len(self.trace) - 1 - self.trace[::-1].index(index)

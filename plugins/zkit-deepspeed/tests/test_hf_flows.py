@@ -120,8 +120,10 @@ def test_losses_equal_real_deepspeed(zkit_results, peer_results, flow):
         assert real is None or mine == pytest.approx(real, rel=RTOL)
     # what save_model / get_state_dict wrote: the same tensors with the same values. The sum of
     # squares is the sharp test (weight decay on a norm's weight moves it by ~1e-4 in 4 steps); the
-    # abs terms cover biases that stay near zero (BERT's key bias gets no gradient at all).
+    # abs terms cover biases that stay near zero (BERT's key bias gets no gradient at all). A sum of
+    # thousands of values near zero carries rounding of a few 1e-6 from the order of the additions
+    # (GPT-2's fused qkv bias under Accelerate: 1.4e-6 of 2.5e-3), so its abs term is 5e-6.
     assert sorted(ours["saved"]) == sorted(theirs["saved"])
     for name, (total, squares) in theirs["saved"].items():
-        assert ours["saved"][name][0] == pytest.approx(total, rel=1e-4, abs=1e-6), name
+        assert ours["saved"][name][0] == pytest.approx(total, rel=1e-4, abs=5e-6), name
         assert ours["saved"][name][1] == pytest.approx(squares, rel=1e-5, abs=1e-9), name

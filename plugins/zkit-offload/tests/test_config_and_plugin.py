@@ -21,7 +21,8 @@ def test_deepspeed_defaults():
 @pytest.mark.parametrize("cls, data, message", [
     (OffloadOptimizerConfig, {"device": "cpu", "pin_memroy": True}, "unknown key 'pin_memroy' in zero_optimization.offload_optimizer; did you mean 'pin_memory'?"),
     (OffloadParamConfig, {"max_in_gpu": 1}, "unknown key 'max_in_gpu' in zero_optimization.offload_param; did you mean 'max_in_cpu'?"),
-    (AioConfig, {"thread_count": 2}, "unknown key 'thread_count' in aio"),
+    (AioConfig, {"thread_count": 2, "intra_op_parallelism": 2}, "aio: 'thread_count' and 'intra_op_parallelism' are both given"),
+    (AioConfig, {"thread_cnt": 2}, "unknown key 'thread_cnt' in aio; did you mean 'thread_count'?"),
     (OffloadOptimizerConfig, {"device": "nvme"}, "device 'nvme' needs nvme_path"),
     (OffloadOptimizerConfig, {"device": "disk"}, "'device' must be in ('none', 'cpu', 'nvme')"),
     (OffloadOptimizerConfig, {"ratio": 1.5}, "'ratio' must be <= 1.0"),
@@ -31,6 +32,10 @@ def test_bad_sections_are_refused(cls, data, message):
     with pytest.raises((ValueError, TypeError)) as info:
         cls.from_dict(data)
     assert message in str(info.value)
+
+
+def test_aio_thread_count_is_intra_op_parallelism():
+    assert AioConfig.from_dict({"thread_count": 3}).intra_op_parallelism == 3
 
 
 def test_device_is_case_insensitive_and_frozen():

@@ -14,6 +14,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint, open_checkpoint
 from zkit.checkpoint.deepspeed.pipeline import DeepSpeedPipelineCheckpoint, StageView
 from zkit.checkpoint.errors import CheckpointError
@@ -39,8 +41,9 @@ def load_deepspeed_checkpoint(
     _check_params({"params": {n: list(s) for n, s in view.params.items()}}, engine, where)
     if isinstance(view, StageView):
         _check_all_read(engine, ckpt, view.read, where)
-    filled = fill_pieces(engine, view.index, lambda fname: view.pieces(fname, with_state=load_optimizer_states),
-                where, load_optimizer_states)
+    filled = fill_pieces(engine, view.index,
+                         lambda fname: finite_masters(view.pieces(fname, with_state=load_optimizer_states), where / fname),
+                         where, load_optimizer_states)
     extras = {n: t for n, t in view.module_extras().items() if n in _extra_names(engine)}
     _load_module_extras(engine.module, extras, where)
     if load_optimizer_states:
@@ -66,6 +69,20 @@ def load_deepspeed_checkpoint(
             engine.partitioner.stage, engine.world_size,
         )
     return str(where), view.client_state(with_optimizer=load_optimizer_states, with_lr_scheduler=load_lr_scheduler_states)
+
+
+def finite_masters(pieces: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
+    """``pieces``, refused when a master weight is NaN or infinite: a run that diverged before its
+    save (DeepSpeed saves such weights as they are) must not continue silently from them."""
+    for piece in pieces:
+        master = piece["master"]
+        if not bool(torch.isfinite(master).all()):
+            bad = int((~torch.isfinite(master)).sum())
+            raise CheckpointError(
+                f"{path}: the fp32 master weights of {piece['name']!r} (elements {piece['start']}..{piece['end']}) "
+                f"hold {bad} NaN or infinite value(s); the run diverged before this save: load an earlier checkpoint"
+            )
+    return pieces
 
 
 def _as_held_here(

@@ -15,10 +15,15 @@ import torch
 
 from zkit.compat.deepspeed import accelerator, checkpointing, comm, moe, ops, runtime, utils, zero
 from zkit.compat.deepspeed.accelerator import get_accelerator
+from zkit.compat.deepspeed.on_device import OnDevice
 from zkit.compat.deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
 from zkit.compat.deepspeed.runtime.engine import DeepSpeedEngine
 from zkit.compat.deepspeed.utils import log_dist, logger
+from zkit.compat.deepspeed.refused import module_getattr
 from zkit.comm import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
+
+# names zkit refuses (deepspeed.DeepSpeedTransformerLayer, ...) raise FeatureNotProvided, see refused.py
+__getattr__ = module_getattr(__name__)
 
 __version__ = "0.19.8+zkit"  # DeepSpeed's release whose API this follows, labelled as zkit's
 __version_major__, __version_minor__, __version_patch__ = 0, 19, 8
@@ -26,7 +31,8 @@ version = __version__
 __git_hash__ = __git_branch__ = None
 
 __all__ = [
-    "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "TORCH_DISTRIBUTED_DEFAULT_PORT", "accelerator",
+    "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "TORCH_DISTRIBUTED_DEFAULT_PORT",
+    "accelerator",
     "add_config_arguments", "checkpointing", "comm", "get_accelerator", "init_distributed", "init_inference",
     "initialize", "log_dist", "logger", "moe", "ops", "runtime", "utils", "zero",
 ]
@@ -65,9 +71,15 @@ def initialize(
     if config is None:
         config = from_args
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    return zkit_initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
-                           training_data=training_data, lr_scheduler=lr_scheduler, config=config,
-                           collate_fn=collate_fn, mpu=mpu)
+    result = zkit_initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                             training_data=training_data, lr_scheduler=lr_scheduler, config=config,
+                             collate_fn=collate_fn, mpu=mpu)
+    if result[0].zero_optimization_stage() == 3:
+        # DeepSpeed's ZeRO-3 keeps each module's ``_external_params``; code written for it reads them
+        from zkit.compat.deepspeed.runtime.zero.external_params import track_returned_params
+
+        track_returned_params(result[0].module)
+    return result
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

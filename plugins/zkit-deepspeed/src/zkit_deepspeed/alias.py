@@ -10,7 +10,11 @@ instance) are seen by zkit's code as well.
 
 A ``deepspeed.X`` that zkit does not provide is an ordinary ``ModuleNotFoundError``, so the
 feature probes libraries run (``importlib.util.find_spec("deepspeed.ops.X")``, ``try: import``)
-answer as they would on a DeepSpeed build without that extension.
+answer as they would on a DeepSpeed build without that extension. A module that zkit *refuses*
+(``zkit.compat.deepspeed.refused.REFUSED_MODULES``: DeepSpeed-Inference, MoE internals, ...)
+raises ``FeatureNotProvided`` at import instead, an ``ImportError`` whose message names the feature
+and what to use; ``find_spec`` still answers None for it, so a probe does not take the feature
+for present.
 """
 from __future__ import annotations
 
@@ -45,8 +49,35 @@ class AliasLoader(importlib.abc.Loader):
         sys.modules[module.__name__] = importlib.import_module(self.target)
 
 
+class RefusingLoader(importlib.abc.Loader):
+    """Raises the refusal of a module zkit does not provide, when it is imported."""
+
+    def __init__(self, error: ImportError) -> None:
+        self.error = error
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> None:
+        raise self.error
+
+    def exec_module(self, module: ModuleType) -> None:  # pragma: no cover - create_module raised
+        raise self.error
+
+
+def _called_by_find_spec() -> bool:
+    """Whether ``importlib.util.find_spec`` (a feature probe) is asking, not an import."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _FIND_SPEC_CODE:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_FIND_SPEC_CODE = importlib.util.find_spec.__code__
+
+
 class AliasFinder(importlib.abc.MetaPathFinder):
-    """Finds ``<alias>.X`` wherever ``<target>.X`` exists; nothing else."""
+    """Finds ``<alias>.X`` wherever ``<target>.X`` exists, and the modules the target refuses
+    (``<target>.refused``); nothing else."""
 
     def __init__(self, alias: str = ALIAS, target: str = TARGET) -> None:
         self.alias, self.target = alias, target
@@ -60,10 +91,20 @@ class AliasFinder(importlib.abc.MetaPathFinder):
         except ModuleNotFoundError:  # a parent is a module, not a package
             return None
         if spec is None:
-            return None
+            return self._refused(fullname)
         return importlib.util.spec_from_loader(
             fullname, AliasLoader(real), is_package=spec.submodule_search_locations is not None
         )
+
+
+    def _refused(self, fullname: str) -> importlib.machinery.ModuleSpec | None:
+        try:
+            refused = importlib.import_module(self.target + ".refused")
+        except ModuleNotFoundError:
+            return None
+        if refused.refusal_for(fullname) is None or _called_by_find_spec():
+            return None
+        return importlib.util.spec_from_loader(fullname, RefusingLoader(refused.refuse(fullname)))
 
 
 def install(alias: str = ALIAS, target: str = TARGET) -> ModuleType:

@@ -14,7 +14,7 @@ is configured, with the reason.
 from __future__ import annotations
 
 import difflib
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
 import attrs
 from attrs import validators as v
@@ -38,10 +38,17 @@ class _FromDict:
     def from_dict(cls, data: Mapping[str, Any] | None):
         """Build from a config dict; an unknown key is an error naming the closest valid one."""
         data = dict(data or {})
+        for old, new in getattr(cls, "key_aliases", {}).items():
+            if old in data:
+                if new in data:
+                    raise ValueError(f"{cls.SECTION}: '{old}' and '{new}' are both given; '{old}' is the old name "
+                                     f"of '{new}': keep only '{new}'")
+                data[new] = data.pop(old)
         valid = [a.name for a in attrs.fields(cls)]
+        close_to = valid + list(getattr(cls, "key_aliases", {}))
         for key in data:
             if key not in valid:
-                close = difflib.get_close_matches(key, valid, n=1)
+                close = difflib.get_close_matches(key, close_to, n=1)
                 hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(f"unknown key {key!r} in {cls.SECTION}{hint} Valid keys: {', '.join(valid)}")
         return cls(**data)
@@ -92,6 +99,8 @@ class AioConfig(_FromDict):
     ``intra_op_parallelism`` requests in flight (the I/O thread count)."""
 
     SECTION = "aio"
+    #: DeepSpeed's older name for ``intra_op_parallelism`` (Lightning's default config still sets it)
+    key_aliases: ClassVar[dict[str, str]] = {"thread_count": "intra_op_parallelism"}
 
     block_size: int = attrs.field(default=1_048_576, validator=[v.instance_of(int), v.gt(0)])
     queue_depth: int = attrs.field(default=8, validator=[v.instance_of(int), v.gt(0)])

@@ -77,7 +77,11 @@ class SubGroupPlan:
         return [{name: n for name in self.state_names} for n in self.sizes]
 
     def matches(self, params: Sequence[torch.Tensor]) -> bool:
-        return [id(p) for p in params if p.numel() > 0] == [id(p) for p in self.params]
+        """Whether ``params`` are this plan's parameters, in any order: the layout is found by
+        ``id``, and a plan laid out by unit lists them in model order while an optimizer with
+        several param groups (decay / no decay) lists them group by group."""
+        ids = [id(p) for p in params if p.numel() > 0]
+        return len(ids) == len(self.params) and set(ids) == set(self.where)
 
 
 class SwappedState(defaultdict):

@@ -8,6 +8,10 @@
   function).
 * The global gradient norm (clipping, fp16 overflow checks) covers the whole grid, parameters held
   whole on several model-parallel ranks counted once (:mod:`zkit_pipeline.grid_norm`).
+* An optimizer that needs whole-parameter norms (LAMB) sums them over the tensor group
+  (:mod:`zkit_pipeline.tensor_parallel.optimizer_norms`).
+* A pipeline stage frozen whole trains (it runs forward and passes gradients back, holding no
+  optimizer state); a split model frozen on every rank is refused on every rank.
 """
 from __future__ import annotations
 
@@ -31,11 +35,18 @@ def setup(engine: Any) -> None:
     activation checkpointing section applied with the model's tensor-parallel group (the config
     alone turns ``partition_activations`` on, as DeepSpeed's does with its mpu)."""
     module = engine.module
+    if isinstance(module, TensorParallelModule) or (isinstance(module, PipelineModule) and module.grid is not None):
+        _refuse_if_nothing_trains(engine, module)
     tensor_group = _tensor_group(module)
     if tensor_group is not None and engine.config.activation_checkpointing.partition_activations:
         from zkit import checkpointing
 
         checkpointing.configure(engine, group=tensor_group)
+    tensor_degree = 1 if tensor_group is None else torch.distributed.get_world_size(tensor_group)
+    if tensor_degree > 1:
+        from zkit_pipeline.tensor_parallel import optimizer_norms
+
+        optimizer_norms.configure(engine, tensor_group, tensor_degree)
     if isinstance(module, TensorParallelModule):
         from zkit.builtin.comm_torch import TorchCommunicator
 
@@ -48,6 +59,20 @@ def setup(engine: Any) -> None:
             pipeline = runner(engine)  # collective: every rank builds it at setup, not at its first batch
             weights = replication_weights(module, grid.degree("tensor"), module.tied_copies())
             engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, pipeline.comms.get("model"))
+
+
+def _refuse_if_nothing_trains(engine: Any, module: Any) -> None:
+    """A part of a split model may be frozen whole (a pipeline stage that only passes gradients
+    on, as in DeepSpeed), so the partitioner accepts a part without trainable parameters; the
+    whole model without any is refused here, on every rank (the count is summed over all)."""
+    count = torch.tensor([sum(p.numel() for p in module.parameters() if p.requires_grad)],
+                         dtype=torch.float64, device=engine.device)
+    torch.distributed.all_reduce(count)
+    if count.item() == 0:
+        raise ValueError(
+            f"the model has no trainable parameters (requires_grad=True) on any of its "
+            f"{torch.distributed.get_world_size()} ranks ({type(module).__name__}): nothing to train"
+        )
 
 
 def _tensor_group(module: Any) -> Any:

@@ -250,7 +250,8 @@ class PipelineRunner:
                     st.saved.pop((mb, c))
                     with self.micro_step.backward(st.micro_loss(mb, last), i == boundary_at), \
                             self.probe.compute(inst):
-                        torch.autograd.backward(out, grad)
+                        if out.requires_grad:  # not on a first stage whose parameters are all frozen
+                            torch.autograd.backward(out, grad)
                     gx = x.grad if not first else None
                 else:  # input gradient only: no parameter's .grad is touched
                     st.grads[(mb, c)] = grad

@@ -92,9 +92,9 @@ def layout_block_mask(layout: torch.Tensor, block: int, seq_len: int, causal: bo
     present_any, present_all = _tile_any_all(fine, fq // g, fk // g, pad_q, pad_k)
     if causal:
         # Empty when every key is after every query; needs no mask_mod when none is.
-        q_first = torch.arange(nq_tiles)[:, None] * fq
+        q_first = torch.arange(nq_tiles, device="cpu")[:, None] * fq
         q_last = q_first + fq - 1
-        k_first = torch.arange(nk_tiles)[None, :] * fk
+        k_first = torch.arange(nk_tiles, device="cpu")[None, :] * fk
         k_last = k_first + fk - 1
         present_any &= k_first <= q_last
         present_all &= k_last <= q_first
@@ -105,7 +105,7 @@ def layout_block_mask(layout: torch.Tensor, block: int, seq_len: int, causal: bo
     # mask_mod indexes the layout with every index a partial tile reaches, past seq_len too.
     reach = max(nq_tiles * fq, nk_tiles * fk)
     nb_pad = -(-reach // block)
-    padded = torch.zeros(layout.shape[0], nb_pad, nb_pad, dtype=torch.bool)
+    padded = torch.zeros(layout.shape[0], nb_pad, nb_pad, dtype=torch.bool, device="cpu")
     padded[:, :nb, :nb] = layout
     mask_mod = layout_mask_mod(padded.to(device), block, causal)
     return BlockMask.from_kv_blocks(

@@ -10,6 +10,11 @@ __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
 DeepSpeedConfigError = ConfigError
 
+# DeepSpeed's names of the optimizer types a config's "optimizer.type" may take (lower case)
+ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER = "adagrad", "adam", "adamw", "lamb"
+ONEBIT_ADAM_OPTIMIZER, ZERO_ONE_ADAM_OPTIMIZER, ONEBIT_LAMB_OPTIMIZER = "onebitadam", "zerooneadam", "onebitlamb"
+MUADAM_OPTIMIZER, MUADAMW_OPTIMIZER, MUSGD_OPTIMIZER, LION_OPTIMIZER = "muadam", "muadamw", "musgd", "lion"
+
 
 class DeepSpeedConfig:
     """``DeepSpeedConfig(config, mpu=None)``: ``config`` a dict or a JSON path, validated for the

@@ -8,9 +8,11 @@ from typing import Any, Callable
 import torch
 
 from zkit.accelerator import get_accelerator
+from zkit.compat.deepspeed.runtime.partition_helpers import call_to_str, partition_balanced, partition_uniform
 from zkit.data import RepeatingLoader
 
-__all__ = ["RepeatingLoader", "move_to_device", "see_memory_usage", "set_random_seed"]
+__all__ = ["RepeatingLoader", "call_to_str", "move_to_device", "partition_balanced", "partition_uniform",
+           "see_memory_usage", "set_random_seed"]
 
 
 def set_random_seed(seed: int) -> None:
@@ -54,3 +56,8 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     print(f"MA {acc.memory_allocated() / gib:.2f} GB Max_MA {acc.max_memory_allocated() / gib:.2f} GB "
           f"CA {acc.memory_reserved() / gib:.2f} GB Max_CA {acc.max_memory_reserved() / gib:.2f} GB")
     acc.reset_peak_memory_stats()
+
+
+from zkit.compat.deepspeed.refused import module_getattr  # noqa: E402
+
+__getattr__ = module_getattr(__name__)  # refused names raise FeatureNotProvided (refused.py)

@@ -1,4 +1,4 @@
-"""``deepspeed.runtime.zero``: as :mod:`deepspeed.zero`."""
+"""``deepspeed.runtime.zero``: as :mod:`deepspeed.zero`, plus ``unwrap_model_for_generation``."""
 from zkit.compat.deepspeed.runtime.zero.partition_parameters import (
     GatheredParameters,
     Init,
@@ -6,6 +6,11 @@ from zkit.compat.deepspeed.runtime.zero.partition_parameters import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from zkit.compat.deepspeed.runtime.zero.stage3 import unwrap_model_for_generation
 
 __all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "register_external_parameter",
-           "unregister_external_parameter"]
+           "unregister_external_parameter", "unwrap_model_for_generation"]
+
+from zkit.compat.deepspeed.refused import module_getattr  # noqa: E402
+
+__getattr__ = module_getattr(__name__)  # refused names raise FeatureNotProvided (refused.py)

@@ -1,5 +1,6 @@
 """``deepspeed.runtime.zero.partition_parameters``: ``Init``, ``GatheredParameters``, the
-parameter status enum and external-parameter registration, over :mod:`zkit.zero`."""
+parameter status enum and external-parameter registration (:mod:`.external_params`), over
+:mod:`zkit.zero`."""
 from __future__ import annotations
 
 import torch
@@ -7,11 +8,30 @@ import torch
 from typing import Any, Callable
 
 from zkit.accelerator import get_accelerator
+from zkit.compat.deepspeed.runtime.zero.external_params import register_external_parameter, unregister_external_parameter
 from zkit.zero import GatheredParameters, Init
 from zkit.zero.sharded_params import ParamStatus
 
-__all__ = ["GatheredParameters", "Init", "ZeroParamStatus", "get_accelerator", "register_external_parameter",
-           "unregister_external_parameter", "zero_wrapper_for_fp_tensor_constructor"]
+__all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "get_accelerator",
+           "partitioned_param_data_shape", "register_external_parameter", "unregister_external_parameter",
+           "zero_wrapper_for_fp_tensor_constructor"]
+
+#: DeepSpeed's shape of a released parameter's ``.data`` (an empty tensor). zkit's released
+#: parameter keeps its full shape (its data is an expanded view), so code that detects a
+#: released parameter should read ``param.ds_status`` rather than compare shapes.
+partitioned_param_data_shape = [0]
+
+
+class MultipleAllGatherHandles:
+    """Waits on several gather handles in turn, passing ``handle_dependency`` by keyword (a handle's
+    ``wait`` may take it positionally, keyword-only, or in ``**kwargs``)."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
 
 
 #: DeepSpeed's name for the states of a partitioned parameter (its ``ds_status``)
@@ -48,21 +68,6 @@ def zero_wrapper_for_fp_tensor_constructor(fn: Callable[..., torch.Tensor], targ
 
     return wrapped_fn
 
+from zkit.compat.deepspeed.refused import module_getattr  # noqa: E402
 
-def _check(module: torch.nn.Module, parameter: torch.nn.Parameter, what: str) -> None:
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"{what}: module must be a torch.nn.Module, got {type(module).__name__}")
-    if not isinstance(parameter, torch.nn.Parameter):
-        raise TypeError(f"{what}: parameter must be a torch.nn.Parameter, got {type(parameter).__name__}")
-
-
-def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """DeepSpeed needs to be told when a module's forward uses a parameter of another module, so
-    its hooks gather it. zkit gathers a partitioned parameter wherever it is used (the parameter
-    itself fetches its unit on first use), so registration is checked and needs nothing more."""
-    _check(module, parameter, "register_external_parameter")
-
-
-def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
-    """The inverse of :func:`register_external_parameter` (nothing to undo)."""
-    _check(module, parameter, "unregister_external_parameter")
+__getattr__ = module_getattr(__name__)  # refused names raise FeatureNotProvided (refused.py)

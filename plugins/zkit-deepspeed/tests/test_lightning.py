@@ -1,0 +1,92 @@
+"""PyTorch Lightning's ``DeepSpeedStrategy`` (stages 2, 3 and 3 with CPU offload), unmodified, on
+zkit through the ``deepspeed`` drop-in: ``lightning_flow.py`` trains, saves with
+``trainer.save_checkpoint``, resumes and converts with Lightning's
+``convert_zero_checkpoint_to_fp32_state_dict``, here and in ``.venv-peers`` with the real
+DeepSpeed 0.19.8; losses, resumed losses and converted weights must be DeepSpeed's."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning)")
+
+HERE = Path(__file__).resolve().parent
+PEER_PYTHON = HERE.parents[2] / ".venv-peers" / "bin" / "python"
+FLOWS = ["deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
+#: DeepSpeedCPUAdam (DeepSpeed's C++ kernel) against zkit's CPU Adam: equal to rounding (weights near
+#: zero: to 1e-6 absolute)
+RTOL = {"deepspeed_stage_3_offload": 1e-5}
+#: what DeepSpeed's model file holds besides the client state (Lightning keeps them in its converted file)
+DEEPSPEED_ONLY = {"buffer_names", "checkpoint_parallel_dimensions", "data_sampler", "ds_config", "ds_version",
+                  "frozen_param_fragments", "frozen_param_shapes", "param_shapes", "random_ltd", "shared_params"}
+
+
+def _start(python: str, out: Path) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
+    # cwd: a directory with nothing named like a package in it
+    return subprocess.Popen([python, str(HERE / "lightning_flow.py"), "--out", str(out), *FLOWS], env=env,
+                            cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> dict:
+    text, _ = proc.communicate(timeout=600)
+    if proc.returncode != 0:
+        raise AssertionError(f"lightning_flow.py failed ({proc.returncode}):\n" + "\n".join(text.splitlines()[-40:]))
+    return json.loads((out / "results.json").read_text())
+
+
+def _peer_missing() -> str | None:
+    if not PEER_PYTHON.exists():
+        return f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist"
+    probe = subprocess.run([str(PEER_PYTHON), "-c", "import lightning, deepspeed"], capture_output=True, text=True,
+                           env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
+    if probe.returncode != 0:
+        return f"{PEER_PYTHON} cannot import lightning and deepspeed (add lightning with `make peers`)"
+    return None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict, dict | None]:
+    root = tmp_path_factory.mktemp("lightning")
+    ours = _start(sys.executable, root / "zkit")
+    peer = None if _peer_missing() else _start(str(PEER_PYTHON), root / "deepspeed")  # side by side: 2 cores
+    return _finish(ours, root / "zkit"), (None if peer is None else _finish(peer, root / "deepspeed"))
+
+
+def _close(a: list, b: list, rtol: float) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=rtol, abs_tol=rtol * 0.1) for x, y in zip(a, b))
+
+
+def _flat(value) -> list[float]:
+    return [x for item in value for x in _flat(item)] if isinstance(value, list) else [value]
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_lightning_trains_resumes_and_converts(runs, flow):
+    ours = runs[0][flow]
+    assert runs[0]["deepspeed"].endswith("+zkit")
+    assert len(ours["losses"]) == 3 and len(ours["resumed"]) == 2 and ours["global_step"] == 3
+    assert all(math.isfinite(x) for x in ours["losses"] + ours["resumed"])
+    assert {"callbacks", "epoch", "global_step", "loops", "lr_schedulers", "pytorch-lightning_version"} <= \
+        set(ours["client_keys"])
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_equal_to_real_deepspeed(runs, flow):
+    if runs[1] is None:
+        pytest.skip(_peer_missing())
+    ours, theirs = runs[0][flow], runs[1][flow]
+    rtol = RTOL.get(flow, 0.0)
+    assert _close(ours["losses"], theirs["losses"], rtol)
+    assert _close(ours["resumed"], theirs["resumed"], rtol)
+    assert list(ours["weights"]) == list(theirs["weights"])
+    for name in theirs["weights"]:
+        assert _close(_flat(ours["weights"][name]), _flat(theirs["weights"][name]), max(rtol, 1e-7)), name
+    assert set(ours["client_keys"]) == set(theirs["client_keys"]) - DEEPSPEED_ONLY

@@ -1,0 +1,146 @@
+"""The feature model of the composition fuzzer (tests/composition_fuzz.py): the matrix's features
+(tests/composition.py) plus the ones below, what each does, which run is its reference, and which
+sets are refused at initialize, not drawn, or implied.
+
+A drawn set either **equals its reference** (the same run keeping only its numerics and model
+features, at ZeRO stage 0 on 2 ranks, without offload, accumulation, checkpointing, pipeline or
+tensor parallelism, and with every feature's trace present: composition_evidence.py) or is
+**refused at initialize** with an error carrying the words of one of its refused pairs.
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import Any
+
+import composition as matrix
+
+#: features the fuzzer adds to the matrix's, and what each does to a run
+EXTRA: dict[str, str] = {
+    "zero_init": "the model is built under zkit.zero.Init(config_dict_or_path=<the run's config>)",
+    "param_groups": "model_parameters in 2 groups: the weight matrices, and the rest with lr 5e-3 and no weight "
+                    "decay",
+    "partial_freeze": "the first two layers frozen (requires_grad False): with the pipeline, its whole first stage",
+    "lamb": "the config's optimizer is Lamb (lr 1e-2, weight decay 0.01)",
+    "scheduler": "the config's scheduler is WarmupLR from 0 to 1e-2 over 4 steps",
+    "save_mid_accum": "2 micro-batches per step; save_checkpoint after the first micro-batch of the last step, then "
+                      "a new engine loads it and takes the second micro-batch and the step",
+    "reshard": "as save_load, but the new engine runs another ZeRO stage (0->1, 1->2, 2->1, 3->2; 2->3 with "
+               "step_in_backward)",
+    "ds_import": "the real DeepSpeed (.venv-peers) takes the first 2 steps at ZeRO 2 (3 with zero3 or "
+                 "param_offload) and saves; the engine loads DeepSpeed's checkpoint and takes the last step",
+}
+#: the matrix's 4- and 8-rank layouts stay in the matrix: the fuzzer runs 2 ranks
+FEATURES: dict[str, str] = {**{f: d for f, d in matrix.FEATURES.items() if f != "pipeline_dp"}, **EXTRA}
+#: features that define what is computed: the reference keeps them
+NUMERICS = (*matrix.NUMERICS, "param_groups", "partial_freeze", "lamb", "scheduler")
+OPTIMIZERS = ("onebit_adam", "zeroone_adam", "lamb")
+CHECKPOINTS = ("save_load", "save_mid_accum", "reshard", "ds_import")
+#: the numerics DeepSpeed's side of ds_import reproduces (composition_fuzz_peer.py)
+DEEPSPEED_NUMERICS = ("tied_weights", "scheduler")
+
+#: pairs initialize refuses beyond the matrix's: why, and the words its error must contain
+REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    **matrix.REFUSED,
+    **{(offload, "lamb"): ("as for onebit_adam: state swapped from NVMe is stepped sub-group by sub-group",
+                           ("lamb", "nvme")) for offload in ("nvme_offload", "step_in_backward")},
+    ("pipeline", "zero_init"): ("Init partitions every layer over all ranks; each stage keeps only its own, so "
+                                "the stages cannot gather them back",
+                                ("zkit.zero.init", "pipeline")),
+}
+#: what this harness cannot run: 4 ranks; a pipeline takes a whole batch at once (no saving
+#: between micro-batches); a stage to reshard to (param_offload needs 3, ZeroOneAdam 0); numerics
+#: DeepSpeed's side of ds_import does not reproduce
+HARNESS_LIMITS: list[frozenset[str]] = [
+    frozenset({"pipeline", "tensor_parallel"}),
+    frozenset({"pipeline", "save_mid_accum"}),
+    frozenset({"reshard", "param_offload"}),
+    frozenset({"reshard", "zeroone_adam"}),
+    *(frozenset({"ds_import", f}) for f in NUMERICS if f not in DEEPSPEED_NUMERICS),
+]
+#: pairs never drawn together: two values of one setting (the matrix's, the config's optimizer,
+#: one checkpoint per run), and the harness's limits
+NOT_DRAWN: set[frozenset[str]] = {
+    *(frozenset(p) for p in matrix.NOT_A_COMBINATION),
+    *(frozenset(p) for p in itertools.combinations(OPTIMIZERS, 2)),
+    *(frozenset(p) for p in itertools.combinations(CHECKPOINTS, 2)),
+    *HARNESS_LIMITS,
+}
+
+
+def canonical(features) -> tuple[str, ...]:
+    """A set of features in the model's order (the form results are keyed by)."""
+    order = list(FEATURES)
+    return tuple(sorted(set(features), key=order.index))
+
+
+def drawable(features: tuple[str, ...]) -> bool:
+    """Whether the fuzzer may draw (or shrink to) this set."""
+    return bool(features) and not any(pair <= set(features) for pair in NOT_DRAWN)
+
+
+def refused_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The pairs of ``features`` initialize must refuse."""
+    return [pair for pair in itertools.combinations(features, 2) if pair in REFUSED or pair[::-1] in REFUSED]
+
+
+def refusal_words(pair: tuple[str, str]) -> tuple[str, ...]:
+    return REFUSED[pair][1] if pair in REFUSED else REFUSED[pair[::-1]][1]
+
+
+def reference_of(features: tuple[str, ...]) -> tuple[str, ...]:
+    """The numerics and model features: the run a set must equal. A client optimizer wins over
+    the config's optimizer section."""
+    kept = tuple(f for f in features if f in NUMERICS)
+    if "client_sgd" in kept:
+        kept = tuple(f for f in kept if f not in OPTIMIZERS)
+    return kept
+
+
+def tolerance(features: tuple[str, ...]) -> float:
+    return matrix.tolerance(features)
+
+
+def deepspeed_run(features: tuple[str, ...]) -> tuple[tuple[str, ...], int] | None:
+    """What DeepSpeed's side of a ``ds_import`` set runs: its numerics features and a ZeRO stage."""
+    if "ds_import" not in features:
+        return None
+    return reference_of(features), 3 if {"zero3", "param_offload"} & set(features) else 2
+
+
+def load_stage(features: tuple[str, ...], saved: int) -> int:
+    """The stage a ``reshard`` run loads at."""
+    if "step_in_backward" in features:
+        return {2: 3, 3: 2}[saved]
+    return {0: 1, 1: 2, 2: 1, 3: 2}[saved]
+
+
+def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
+    """The config of a run: the matrix's, then the extra features."""
+    base = tuple(f for f in features if f in matrix.FEATURES)
+    if "save_mid_accum" in features and "grad_accum" not in base:
+        base = (*base, "grad_accum")
+    cfg = matrix.config(base, nvme_path)
+    if "lamb" in features and not {"onebit_adam", "zeroone_adam"} & set(features):
+        cfg["optimizer"] = {"type": "Lamb", "params": {"lr": 1e-2, "weight_decay": 0.01}}
+        if "client_sgd" in features:
+            del cfg["optimizer"]
+    if "scheduler" in features:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-2,
+                                                           "warmup_num_steps": 4, "warmup_type": "linear"}}
+    return cfg
+
+
+def resharded(cfg: dict[str, Any], features: tuple[str, ...]) -> dict[str, Any]:
+    """The config a ``reshard`` run loads its checkpoint with."""
+    out = copy.deepcopy(cfg)
+    out["zero_optimization"]["stage"] = load_stage(features, cfg["zero_optimization"]["stage"])
+    return out
+
+
+def feature_sets(min_size: int = 3, max_size: int = 5):
+    """The hypothesis strategy: a drawable set of ``min_size``-``max_size`` features."""
+    from hypothesis import strategies as st
+
+    return (st.lists(st.sampled_from(list(FEATURES)), min_size=min_size, max_size=max_size, unique=True)
+            .map(canonical).filter(drawable))

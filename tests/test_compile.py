@@ -1,0 +1,87 @@
+"""torch.compile under the engine: ``engine.compile()`` (DeepSpeed's call) and a compiled module
+given to ``initialize`` train every ZeRO stage with the losses of the eager run (``zkit.compile``).
+
+The backends are Dynamo's ``aot_eager`` (forward and backward graphs through AOTAutograd, run by
+torch's kernels) and ``eager`` (Dynamo's graphs alone): they check the capture without paying for
+code generation."""
+import pytest
+import torch
+
+import zkit
+from zkit.testing import run_ranks
+
+import compile_ranks as cr
+import engine_ranks as er
+
+ONE_RANK = [(0, "engine.compile", "aot_eager"), (1, "engine.compile", "aot_eager"), (1, "torch.compile(model)", "aot_eager"),
+            (2, "engine.compile", "aot_eager")]
+TWO_RANKS = [(0, "engine.compile", "eager"), (1, "engine.compile", "eager"), (2, "engine.compile", "eager"),
+             (2, "torch.compile(model)", "eager")]
+
+
+def _check_same_as_eager(results: dict) -> None:
+    for stage, runs in results.items():
+        eager = runs.pop("eager")
+        assert not eager["compiled"]
+        for how, run in runs.items():
+            assert run["compiled"], (stage, how)
+            assert run["graphs"] >= 1, f"stage {stage}, {how}: nothing was compiled"
+            assert run["names"] == eager["names"], "the engine trains the model itself, not the compiled wrapper"
+            assert run["losses"] == pytest.approx(eager["losses"], rel=1e-6), (stage, how)
+            diff = max((a - b).abs().max().item() for a, b in zip(run["params"], eager["params"]))
+            assert diff < 1e-6, (stage, how, diff)
+
+
+def test_stages_0_to_2_train_compiled_as_eager_on_one_rank():
+    (results,) = run_ranks(cr.compare, 1, args=(ONE_RANK,), timeout=600)
+    assert sorted(results) == [0, 1, 2]
+    _check_same_as_eager(results)
+
+
+def test_stages_0_to_2_train_compiled_as_eager_on_two_ranks():
+    results = run_ranks(cr.compare, 2, args=(TWO_RANKS,), timeout=600)
+    stage2 = [r[2]["engine.compile"]["params"] for r in results]
+    assert all(torch.equal(a, b) for a, b in zip(*stage2)), "ranks ended with different parameters"
+    for rank_results in results:
+        _check_same_as_eager(rank_results)
+
+
+def _engine(stage=0, model=None):
+    return zkit.initialize(model=er.make_model() if model is None else model, config=er.config(stage, "fp32", 1, 1))[0]
+
+
+STAGE3 = r"torch.compile with ZeRO stage 3 is not supported: stage 3 turns each released parameter"
+
+
+def test_stage_3_refuses_a_compiled_module_at_initialize_and_engine_compile():
+    """Stage 3 trained a compiled module with the eager run's losses, but Dynamo compiled the
+    forward again at every step (the released placeholders' strides differ from the gathered
+    parameters'): refused, by name, rather than compiled for nothing."""
+    with pytest.raises(ValueError, match=STAGE3):
+        _engine(3, torch.compile(er.make_model(), backend="eager"))
+    engine = _engine(3)
+    with pytest.raises(ValueError, match=STAGE3 + r".*compile at ZeRO stages 0-2"):
+        engine.compile(backend="eager")
+    assert not engine.is_compiled
+    engine.close()
+
+
+def test_deepcompile_schedules_and_compiled_autograd_are_refused_by_name():
+    engine = _engine()
+    with pytest.raises(ValueError, match=r"engine.compile\(schedule=...\) configures DeepSpeed's DeepCompile"):
+        engine.compile(backend="eager", schedule=[(0, ["zero3_compile"])])
+    with pytest.raises(ValueError, match=r"compiled_autograd_enabled=True\) is not supported: ZeRO's gradient hooks"):
+        engine.compile(backend="eager", compiled_autograd_enabled=True)
+    assert not engine.is_compiled
+    engine.close()
+
+
+def test_a_second_compile_does_nothing_and_compile_kwargs_cannot_change_the_backend(caplog):
+    engine = _engine()
+    with caplog.at_level("WARNING", logger="zkit"):
+        engine.compile(backend="eager", compile_kwargs={"backend": "inductor", "dynamic": False})
+    assert "the backend in compile_kwargs is overridden by backend='eager'" in caplog.text
+    compiled = engine.module._compiled_call_impl
+    engine.compile(backend="aot_eager")
+    assert engine.module._compiled_call_impl is compiled
+    engine.close()

@@ -1,0 +1,23 @@
+"""``deepspeed.ops.lion.DeepSpeedCPULion``: zkit-offload's CPU Lion with DeepSpeed's signature and
+defaults (``lr=1e-3, betas=(0.9, 0.999), weight_decay=0``)."""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+try:
+    from zkit_offload.cpu_lion import CPULion
+except ImportError as exc:  # pragma: no cover - exercised without zkit-offload
+    raise ImportError(f"deepspeed.ops.lion needs zkit-offload (pip install zkit-offload): {exc}") from exc
+
+__all__ = ["DeepSpeedCPULion"]
+
+
+class DeepSpeedCPULion(CPULion):
+    """``fp32_optimizer_states=False`` is refused: zkit keeps optimizer state in fp32."""
+
+    def __init__(self, model_params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 weight_decay: float = 0, fp32_optimizer_states: bool = True) -> None:
+        if not fp32_optimizer_states:
+            raise ValueError("DeepSpeedCPULion(fp32_optimizer_states=False) is not supported: zkit keeps optimizer "
+                             "state in fp32")
+        super().__init__(model_params, lr=lr, betas=betas, weight_decay=weight_decay)

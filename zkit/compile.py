@@ -1,0 +1,105 @@
+"""``torch.compile`` under the engine: ``engine.compile()`` and compiled modules given to ``initialize``.
+
+Two ways in, as DeepSpeed and FSDP2 users write them:
+
+* ``engine.compile(backend="inductor", compile_kwargs={})`` after ``initialize`` (DeepSpeed's
+  call): the wrapped module is compiled in place (``nn.Module.compile``);
+* ``zkit.initialize(model=torch.compile(model), ...)``: the ``OptimizedModule`` is unwrapped, the
+  engine trains the original module (so parameter names, checkpoints and ``engine.module`` stay the
+  model's own, without ``_orig_mod.``) and compiles it in place with the wrapper's own compiler
+  context, i.e. the same backend and options.
+
+Either way only the module's forward is compiled; the engine's own steps (hooks, reductions, the
+optimizer step) stay eager. Stages 0-2 compile. Stage 3 is refused (:func:`refuse_stage`): its
+released parameters are placeholders that become their gathered values inside the forward, and
+Dynamo, which guards each compiled forward on the parameters' shapes and strides as it found them,
+compiled the forward again at every step (the losses were the eager run's; after its recompile
+limit Dynamo runs the forward uncompiled).
+
+The engine's FLOP probe measures the first training micro-step under ``FlopCounterMode``, a
+dispatch mode Dynamo refuses to trace; a frame Dynamo refused once is never compiled again. So the
+probed micro-step runs the module eagerly (:func:`eager`), and compilation starts with the next.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from typing import Any, Iterator
+
+import torch
+
+log = logging.getLogger("zkit")
+
+#: what DeepSpeed's ``engine.compile`` accepts that zkit does not do, and why
+_DEEPCOMPILE = ("engine.compile(schedule=...) configures DeepSpeed's DeepCompile passes, which zkit does not have; "
+                "call engine.compile() without schedule= to compile the module's forward with torch.compile")
+_COMPILED_AUTOGRAD = ("engine.compile(compiled_autograd_enabled=True) is not supported: ZeRO's gradient hooks "
+                      "reduce and release buffers from inside backward, which compiled autograd would trace; "
+                      "compile the forward only (compiled_autograd_enabled=False)")
+
+
+def refuse_stage(stage: int | None) -> None:
+    """Raise where ZeRO ``stage`` cannot train a compiled module (see the module docstring)."""
+    if stage == 3:
+        raise ValueError(
+            "torch.compile with ZeRO stage 3 is not supported: stage 3 turns each released parameter from a "
+            "placeholder into its gathered values inside forward, and Dynamo compiles the forward again at every step; "
+            "compile at ZeRO stages 0-2, or train stage 3 without torch.compile"
+        )
+
+
+def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
+    """``(module, dynamo context)`` of a ``torch.compile``-d module; ``(model, None)`` for any other."""
+    # Dynamo is not imported for a model that was never compiled (importing it takes a second)
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None or not isinstance(model, eval_frame.OptimizedModule):
+        return model, None
+    context = getattr(model, "dynamo_ctx", None)
+    if context is None:  # a torch whose wrapper no longer keeps its compiler context
+        raise TypeError(
+            f"initialize(model=torch.compile(...)): this torch {torch.__version__} does not say how the module was "
+            f"compiled; pass the module itself and call engine.compile(backend=..., compile_kwargs=...)"
+        )
+    return model._orig_mod, context
+
+
+def compile_in_place(module: torch.nn.Module, stage: int, context: Any) -> None:
+    """Compile ``module``'s calls with the compiler context taken from an ``OptimizedModule``
+    (what ``module.compile(backend=..., **options)`` would install)."""
+    refuse_stage(stage)
+    module._compiled_call_impl = context(module._call_impl)
+
+
+def compile_module(module: torch.nn.Module, stage: int, backend: Any, compile_kwargs: dict[str, Any] | None,
+                   schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
+    """``engine.compile``'s work: check the stage and DeepSpeed's arguments zkit does not
+    implement, then ``module.compile(backend=backend, **compile_kwargs)``."""
+    refuse_stage(stage)
+    if schedule is not None:
+        raise ValueError(_DEEPCOMPILE)
+    if compiled_autograd_enabled:
+        raise ValueError(_COMPILED_AUTOGRAD)
+    kwargs = dict(compile_kwargs or {})
+    if kwargs.pop("backend", backend) != backend:  # DeepSpeed's rule: the argument wins, with a warning
+        log.warning("engine.compile: the backend in compile_kwargs is overridden by backend=%r", backend)
+    module.compile(backend=backend, **kwargs)
+
+
+def is_compiled(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s calls go through ``torch.compile``."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+@contextlib.contextmanager
+def eager(module: torch.nn.Module) -> Iterator[None]:
+    """Calls of ``module`` inside run uncompiled (see the module docstring: the FLOP probe)."""
+    compiled = getattr(module, "_compiled_call_impl", None)
+    if compiled is None:
+        yield
+        return
+    module._compiled_call_impl = None
+    try:
+        yield
+    finally:
+        module._compiled_call_impl = compiled
