@@ -10,8 +10,8 @@ import torch
 
 def comm_collectives() -> dict:
     """deepspeed.comm's functions on a real group, next to what torch.distributed gives."""
-    import zkit.compat.deepspeed as deepspeed
-    from zkit.compat.deepspeed import comm as dist
+    import deepspeed
+    from deepspeed import comm as dist
 
     deepspeed.init_distributed()  # already initialised by the test harness: a no-op
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -54,7 +54,7 @@ def _config(tmp: str) -> str:
 def script_with_args(tmp: str) -> dict:
     """A DeepSpeedExamples-style script: add_config_arguments, initialize(args=..., model=...,
     model_parameters=...), the engine's accessors, train two steps."""
-    import zkit.compat.deepspeed as deepspeed
+    import deepspeed
 
     parser = deepspeed.add_config_arguments(argparse.ArgumentParser())
     parser.add_argument("--local_rank", type=int, default=-1)
@@ -78,8 +78,8 @@ def script_with_args(tmp: str) -> dict:
 def full_state_by_parameter(stage: int) -> dict:
     """DeepSpeed's safe_get/set_full_* on a trained engine, and the ZeRO-3 ds_* attributes."""
     import zkit
-    from zkit.compat.deepspeed import utils
-    from zkit.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed import utils
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     from zkit.zero import GatheredParameters
 
     torch.manual_seed(0)
@@ -133,7 +133,7 @@ def checkpoint_edge_cases(tmp: str, stage: int) -> dict:
     fresh.load_checkpoint(f"{tmp}/immediate")  # and loaded before any step
     out["immediate"] = fresh.global_steps
     fresh.close()
-    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(engine.global_rank))
+    x = torch.randn(2, 6, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
     engine.backward(engine(x).pow(2).mean())
     engine.step()  # micro-step 1 of 2: not a boundary
     out["boundary_before_save"] = engine.is_gradient_accumulation_boundary()

@@ -60,14 +60,14 @@ ONEBIT_MIN_NUMEL = 32
 
 def onebit_record():
     """zkit-onebit's communicator with :data:`ONEBIT_MIN_NUMEL`, as a record a Stack can take."""
-    from zkit.builtin.comm_torch import TorchCommunicator
     from zkit.records import CommunicatorRecord
     from zkit_onebit import OneBitCommunicator
 
-    def factory(group, config):
-        return OneBitCommunicator(TorchCommunicator(group, config), min_numel=ONEBIT_MIN_NUMEL)
+    def factory(group, config, transport):
+        return OneBitCommunicator(transport, min_numel=ONEBIT_MIN_NUMEL)
 
-    return CommunicatorRecord(name="onebit-small", factory=factory, dist="tests")
+    # compresses the data-parallel gradients only: every other group gets the torch transport
+    return CommunicatorRecord(name="onebit-small", factory=factory, wraps="torch", dist="tests")
 
 
 def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model=None, **kwargs):
@@ -128,3 +128,14 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
 def run_cells(cells: list[tuple[str, ...]], nvme_path: str, ckpt_root: str) -> dict:
     """Every cell (a tuple of features) in one process group, in order."""
     return {cell: _run(cell, nvme_path, ckpt_root) for cell in cells}
+
+
+def run_matrix(cells: list[tuple[str, ...]], nvme_path: str, ckpt_root: str) -> dict:
+    """Every cell: those of 2 ranks in one process group, those of 4 in another, of 8 in a third."""
+    from zkit.testing import run_ranks
+
+    out = {}
+    for world in (2, 4, 8):
+        group = [c for c in cells if matrix.ranks(c) == world]
+        out.update(run_ranks(run_cells, world, args=(group, nvme_path, ckpt_root), timeout=900)[0])
+    return out

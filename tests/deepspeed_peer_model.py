@@ -66,8 +66,8 @@ def ds_config(stage: int, world_size: int, dtype: str = "fp32", offload: bool = 
 
 
 def pipe_layers(pipe) -> list:
-    """The same kind of network as a pipeline: ``pipe`` is ``deepspeed.pipe`` (DeepSpeed's side) or
-    ``zkit.compat.deepspeed.pipe`` (zkit's). A tied layer runs twice, so the stages that hold it
+    """The same kind of network as a pipeline: ``pipe`` is ``deepspeed.pipe``, DeepSpeed's or
+    zkit's drop-in's (zkit-pipeline). A tied layer runs twice, so the stages that hold it
     keep copies of one weight."""
     torch.manual_seed(0)
     return [

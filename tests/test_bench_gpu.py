@@ -5,7 +5,6 @@ contestant, the bound of each offloaded step. ``bench_gpu.py --cpu-smoke --compi
 (a few minutes on 2 cores)."""
 import csv
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,18 +13,25 @@ BENCH = os.path.join(os.path.dirname(__file__), "..", "contrib", "bench")
 sys.path.insert(0, BENCH)
 
 import bench_gpu  # noqa: E402
+from background import Command  # noqa: E402
 from bench_gpu_contestants import ALL, COMPILED  # noqa: E402
 
 #: one of each kind, so that the suite stays short (the smoke mode adds the compiled ones)
 SMOKE = ("torch", "zkit-2", "zkit-3", "zkit-2-offload", "zkit-3-offload")
 
 
+def _smoke_command(out) -> list[Command]:
+    return [Command([sys.executable, os.path.join(BENCH, "bench_gpu.py"), "--cpu-smoke", "--trace", "--out", str(out),
+                     "--contestants", ",".join(SMOKE), "--nvme-dir", str(out / "nvme")])]
+
+
+#: run beside the other tests from the session's start (tests/background.py)
+BACKGROUND = {"smoke": _smoke_command}
+
+
 @pytest.fixture(scope="module")
-def smoke(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_gpu")
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "bench_gpu.py"), "--cpu-smoke", "--trace", "--out", str(out),
-                           "--contestants", ",".join(SMOKE),
-                           "--nvme-dir", str(out / "nvme")], capture_output=True, text=True, timeout=900)
+def smoke(background, request):
+    out, (proc,) = background.wait(request)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(out / "bench_gpu.csv") as f:
         rows = {r["contestant"]: r for r in csv.DictReader(f)}

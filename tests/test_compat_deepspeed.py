@@ -1,8 +1,9 @@
-"""DeepSpeed's public names (zkit.compat.deepspeed; ``import zkit as deepspeed``): DeepSpeed's
+"""DeepSpeed's public names (the drop-in's ``deepspeed``; ``import zkit as deepspeed``): DeepSpeed's
 signatures and semantics, and clear refusals for what zkit does not do."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 import compat_ranks
 import zkit
-import zkit.compat.deepspeed as deepspeed
+import deepspeed
 from zkit.testing import run_ranks
 
 
@@ -32,18 +33,29 @@ def test_a_deepspeedexamples_style_script_trains(tmp_path):
         assert len(r["losses"]) == 2
 
 
-def test_import_zkit_as_deepspeed_gives_the_names():
+def test_import_zkit_as_deepspeed_gives_zkits_own_api():
     import zkit as ds
+    import zkit.engine
 
-    assert ds.comm.get_rank is zkit.comm.get_rank
+    assert ds.initialize is zkit.engine.initialize
     assert ds.zero.Init is deepspeed.zero.Init and ds.zero.GatheredParameters is deepspeed.zero.GatheredParameters
     assert ds.checkpointing.configure is deepspeed.checkpointing.configure
-    assert ds.init_distributed is deepspeed.init_distributed
-    assert ds.add_config_arguments is deepspeed.add_config_arguments
-    assert ds.DeepSpeedEngine is zkit.engine.Engine
-    assert ds.get_accelerator() is deepspeed.accelerator.get_accelerator()
-    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'$"):
         ds.not_a_name
+
+
+@pytest.mark.parametrize("name", ["comm", "accelerator", "ops", "pipe", "utils", "runtime", "DeepSpeedEngine",
+                                  "init_distributed", "get_accelerator"])
+def test_import_zkit_as_deepspeed_names_the_dropin_for_deepspeeds_own_names(name):
+    import zkit as ds
+
+    with pytest.raises(AttributeError, match=(
+            rf"module 'zkit' has no attribute '{name}': deepspeed\.{name} is DeepSpeed's name, not zkit's\. "
+            r"For DeepSpeed's API on zkit, install zkit's drop-in, the 'deepspeed' distribution "
+            r"\(pip install -e plugins/zkit-deepspeed\), and `import deepspeed` instead of `import zkit as deepspeed`")):
+        getattr(ds, name)
+    # the drop-in has each of them (deepspeed.pipe as a submodule, imported on demand as in DeepSpeed)
+    assert hasattr(deepspeed, name) or importlib.util.find_spec(f"deepspeed.{name}") is not None
 
 
 def test_add_config_arguments_parses_deepspeeds_flags():
@@ -86,7 +98,7 @@ def test_accelerator_on_cpu():
 
 
 def test_accelerator_choice_is_checked(monkeypatch):
-    from zkit import accelerator
+    from deepspeed.accelerator import real_accelerator as accelerator
 
     monkeypatch.setattr(accelerator, "_current", None)
     monkeypatch.setenv("DS_ACCELERATOR", "xpu")
@@ -120,7 +132,7 @@ def _same_steps(make_ours, make_reference, shape: tuple[int, int], rtol: float) 
 
 
 def test_fused_adam_is_adamw_by_default_and_adam_with_adam_w_mode_false():
-    from zkit.compat.deepspeed.ops.adam import FusedAdam
+    from deepspeed.ops.adam import FusedAdam
 
     for adam_w_mode, reference in ((True, torch.optim.AdamW), (False, torch.optim.Adam)):
         _same_steps(lambda p: FusedAdam(p, lr=0.1, weight_decay=0.2, adam_w_mode=adam_w_mode),
@@ -134,7 +146,7 @@ def test_fused_adam_is_adamw_by_default_and_adam_with_adam_w_mode_false():
 
 def test_deepspeed_cpu_adam_defaults_to_decoupled_decay():
     pytest.importorskip("zkit_offload")
-    from zkit.compat.deepspeed.ops.adam import DeepSpeedCPUAdam
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     # DeepSpeed's defaults: adamw_mode=True
     _same_steps(lambda p: DeepSpeedCPUAdam(p, lr=0.05, weight_decay=0.3),
@@ -144,8 +156,8 @@ def test_deepspeed_cpu_adam_defaults_to_decoupled_decay():
 
 
 def test_runtime_utils_and_utils():
-    from zkit.compat.deepspeed.runtime.utils import move_to_device, set_random_seed
-    from zkit.compat.deepspeed.utils import RepeatingLoader
+    from deepspeed.runtime.utils import move_to_device, set_random_seed
+    from deepspeed.utils import RepeatingLoader
 
     set_random_seed(5)
     a = torch.rand(3)
@@ -158,7 +170,7 @@ def test_runtime_utils_and_utils():
 
 
 def test_log_dist_names_the_rank(caplog):
-    from zkit.compat.deepspeed.utils import log_dist
+    from deepspeed.utils import log_dist
 
     # outside a process group every call logs, as rank -1; inside, only the listed ranks do
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else -1
@@ -170,14 +182,14 @@ def test_log_dist_names_the_rank(caplog):
 
 
 def test_zero_names():
-    from zkit.compat.deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     assert {s.name for s in ZeroParamStatus} == {"AVAILABLE", "NOT_AVAILABLE", "INFLIGHT"}
     lin = torch.nn.Linear(2, 2)
     deepspeed.zero.register_external_parameter(lin, lin.weight)
     with pytest.raises(RuntimeError, match="parameter must be a torch.nn.Parameter"):
         deepspeed.zero.register_external_parameter(lin, torch.ones(1))
-    from zkit.compat.deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
+    from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
 
     assert "WarmupDecayLR" in VALID_LR_SCHEDULES and WarmupLR is zkit.optim.lr_schedules.WarmupLR
 
@@ -204,7 +216,7 @@ def test_full_fp32_param_and_optimizer_state_by_parameter(stage):
 
 
 def test_full_state_of_a_parameter_no_engine_trains():
-    from zkit.compat.deepspeed.utils import safe_get_full_fp32_param
+    from deepspeed.utils import safe_get_full_fp32_param
 
     with pytest.raises(ValueError, match="not trained by a live zkit engine"):
         safe_get_full_fp32_param(torch.nn.Parameter(torch.ones(2)))
@@ -226,8 +238,8 @@ def test_deepspeeds_checkpoint_edge_cases(tmp_path, stage):
 def test_moe_helpers_without_experts_and_refusals():
     """DeepSpeedExamples' CIFAR script imports deepspeed.moe.utils unconditionally: without
     expert parameters the groups come back as DeepSpeed returns them; experts are refused."""
-    from zkit.compat.deepspeed.moe.layer import MoE
-    from zkit.compat.deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as split
 
     lin = torch.nn.Linear(2, 2)
     group = {"params": list(lin.parameters()), "name": "parameters"}
@@ -239,3 +251,18 @@ def test_moe_helpers_without_experts_and_refusals():
         split([group])
     with pytest.raises(NotImplementedError, match="MoE is not supported by zkit"):
         MoE(hidden_size=4, expert=lin, num_experts=2)
+
+
+def test_initialize_engine_class_must_be_an_engine_subclass():
+    with pytest.raises(TypeError, match=r"^zkit\.initialize\(engine_class=<class 'int'>\): give a subclass of "
+                                        r"zkit\.engine\.Engine$"):
+        zkit.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1}, engine_class=int)
+
+
+def test_deepspeed_only_accessors_are_on_deepspeed_engine_not_zkits():
+    import zkit.engine
+
+    assert issubclass(deepspeed.DeepSpeedEngine, zkit.engine.Engine)
+    for name in ("global_rank", "local_rank", "dp_world_size", "mp_world_size", "zero_optimization",
+                 "fp16_enabled", "bfloat16_enabled", "steps_per_print"):
+        assert hasattr(deepspeed.DeepSpeedEngine, name) and not hasattr(zkit.engine.Engine, name), name

@@ -7,8 +7,7 @@ from pathlib import Path
 import pytest
 
 import composition as matrix
-import composition_ranks
-from zkit.testing import run_ranks
+from background import Command, call, returned
 
 pytest.importorskip("zkit_offload")
 pytest.importorskip("zkit_onebit")
@@ -17,19 +16,23 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "compatibility.md"
 CELLS = [p for p in matrix.pairs() if p not in matrix.NOT_A_COMBINATION and p not in matrix.ELSEWHERE]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
-    """Every cell's result: the 2-rank cells and the references in one process group, the
-    4-rank cells in another, the 8-rank cell in a third."""
+def _matrix(root: Path) -> list[Command]:
+    """Every cell's result: the references with the cells, each world size in a process group of its own."""
     references = sorted({matrix.reference_of(p) for p in CELLS if matrix.expected(p) == "matches"})
     one_setting = [p for p in matrix.NOT_A_COMBINATION if p in matrix.REFUSED]
     cells = [*references, *CELLS, *one_setting]
-    nvme, ckpt = tmp_path_factory.mktemp("nvme"), tmp_path_factory.mktemp("ckpt")
-    out = {}
-    for world in (2, 4, 8):
-        group = [c for c in cells if matrix.ranks(c) == world]
-        out.update(run_ranks(composition_ranks.run_cells, world, args=(group, str(nvme), str(ckpt)), timeout=900)[0])
-    return out
+    (root / "nvme").mkdir()
+    (root / "ckpt").mkdir()
+    return [call(root, "composition_ranks:run_matrix", cells, str(root / "nvme"), str(root / "ckpt"))]
+
+
+#: run beside the other tests from the session's start, in a process of its own (tests/background.py)
+BACKGROUND = {"results": _matrix}
+
+
+@pytest.fixture(scope="module")
+def results(background, request) -> dict:
+    return returned(*background.wait(request))
 
 
 @pytest.mark.parametrize("pair", CELLS, ids=lambda p: "x".join(p))

@@ -5,10 +5,13 @@ hypothesis strategy with a fixed seed. ``python tests/composition_fuzz.py --exam
 and prints each failure as a minimal set."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import composition_fuzz
 import composition_fuzz_model as fuzz
+from background import Command, call, returned
 
 pytest.importorskip("zkit_offload")
 pytest.importorskip("zkit_onebit")
@@ -36,10 +39,18 @@ SETS = list(dict.fromkeys([*(fuzz.canonical(s) for s in NAMED), *composition_fuz
 RUN = [s for s in SETS if not ("ds_import" in s and composition_fuzz.deepspeed_missing())]
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory) -> dict:
+def _sets(root: Path) -> list[Command]:
     """Every set and its reference in one 2-rank process group."""
-    return composition_fuzz.run(RUN, str(tmp_path_factory.mktemp("fuzz")))
+    return [call(root, "composition_fuzz:run", RUN, str(root))]
+
+
+#: run beside the other tests from the session's start, in a process of its own (tests/background.py)
+BACKGROUND = {"results": _sets}
+
+
+@pytest.fixture(scope="module")
+def results(background, request) -> dict:
+    return returned(*background.wait(request))
 
 
 def test_named_sets_are_drawable():

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from background import Command
 
 import zkit
 from zkit.testing import run_ranks
@@ -36,44 +36,68 @@ BF16_RTOL = 2e-2
 FP16_RTOL = 5e-3
 
 
-def _peer_missing() -> str | None:
-    if not PEER_PYTHON.exists():
-        return f"no DeepSpeed peer environment at {PEER_PYTHON} (build it with `make peers`)"
-    probe = subprocess.run([str(PEER_PYTHON), "-c", "import deepspeed"], capture_output=True, text=True,
-                           env=_peer_env(), timeout=300)
-    if probe.returncode != 0:
-        return f"{PEER_PYTHON} cannot import deepspeed: {probe.stderr.strip().splitlines()[-1:]}"
-    return None
-
-
 def _peer_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     return env
 
 
-@pytest.fixture(scope="module")
-def deepspeed_run(tmp_path_factory) -> tuple[Path, dict]:
-    """DeepSpeed's checkpoints (``<root>/<stage>-fp32/``) and its losses before and after the save."""
-    reason = _peer_missing()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("deepspeed")
-    runs = ",".join([f"{s}:fp32" for s in STAGES] + list(OTHER_RUNS))
-    _run_peer("deepspeed_peer_run.py", root, "--runs", runs)
-    return root, json.loads((root / "results.json").read_text())
+def _peer_probe() -> Command:
+    return Command([str(PEER_PYTHON), "-c", "import deepspeed"], env=_peer_env(), timeout=300)
 
 
-def _run_peer(script: str, root: Path, *args: str) -> None:
-    """Run a DeepSpeed peer script in DeepSpeed's interpreter, writing into ``root``."""
-    proc = subprocess.run(
-        [str(PEER_PYTHON), str(HERE / script), "--out", str(root), "--before", str(BEFORE), "--after", str(AFTER),
-         *args],
-        env=_peer_env(), capture_output=True, text=True, timeout=600,
-    )
+def _peer_command(script: str, root: Path, *args: str) -> Command:
+    """A DeepSpeed peer script in DeepSpeed's interpreter, writing into ``root``."""
+    return Command([str(PEER_PYTHON), str(HERE / script), "--out", str(root), "--before", str(BEFORE), "--after",
+                    str(AFTER), *args], env=_peer_env(), timeout=600)
+
+
+def _peer_ran(what: str, proc) -> None:
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise AssertionError(f"DeepSpeed's side ({script}) failed with exit code {proc.returncode}:\n{tail}")
+        raise AssertionError(f"DeepSpeed's side ({what}) failed with exit code {proc.returncode}:\n{tail}")
+
+
+def peer_commands(script: str, *args: str, then=lambda root: []):
+    """A ``BACKGROUND`` entry (tests/background.py) for a fixture that runs a DeepSpeed peer script:
+    the probe of the peer environment, the script, then the commands ``then(root)``."""
+    def make(root: Path) -> list[Command]:
+        if not PEER_PYTHON.exists():
+            return []
+        return [_peer_probe(), _peer_command(script, root, *args), *then(root)]
+    return make
+
+
+def peer_job(background, request) -> Path:
+    """Wait for the fixture's peer commands (skipped without the peer environment); the directory
+    they wrote into."""
+    if not PEER_PYTHON.exists():
+        pytest.skip(f"no DeepSpeed peer environment at {PEER_PYTHON} (build it with `make peers`)")
+    root, done = background.wait(request)
+    probe, *runs = done
+    if probe.returncode != 0:
+        pytest.skip(f"{PEER_PYTHON} cannot import deepspeed: {probe.stderr.strip().splitlines()[-1:]}")
+    for proc in runs:
+        _peer_ran(Path(proc.args[1]).name, proc)
+    return root
+
+
+def _conversions(root: Path) -> list[Command]:
+    """DeepSpeed's own ``zero_to_fp32`` conversions of the runs ``test_zero_to_fp32`` compares."""
+    from test_zero_to_fp32 import deepspeeds_conversion_argv
+
+    return [Command(deepspeeds_conversion_argv(root), env=_peer_env(), timeout=600)]
+
+
+PEER_RUNS = ",".join([f"{s}:fp32" for s in STAGES] + list(OTHER_RUNS))
+
+
+@pytest.fixture(scope="module")
+def deepspeed_run(background, request) -> tuple[Path, dict]:
+    """DeepSpeed's checkpoints (``<root>/<stage>-fp32/``), its losses before and after the save, and
+    its ``zero_to_fp32`` conversions of two of them (``<root>/<run>.converted/``)."""
+    root = peer_job(background, request)
+    return root, json.loads((root / "results.json").read_text())
 
 
 def continue_runs(runs: list[tuple[str, int, str]]) -> list[dict]:
@@ -170,10 +194,9 @@ def test_consolidate_equals_deepspeeds_zero_to_fp32(deepspeed_run, run, tmp_path
 def test_zero_to_fp32_functions_equal_deepspeeds(deepspeed_run, tmp_path):
     """``deepspeed.utils.zero_to_fp32`` on zkit writes what DeepSpeed's writes from the same
     checkpoints: state dict, files, shards, index (checks in ``test_zero_to_fp32.py``)."""
-    from test_zero_to_fp32 import RUNS, check_against_deepspeed, convert_deepspeeds_outputs
+    from test_zero_to_fp32 import RUNS, check_against_deepspeed
 
-    root, _ = deepspeed_run
-    convert_deepspeeds_outputs(root)
+    root, _ = deepspeed_run  # DeepSpeed's conversions ran after its training run
     for run in RUNS:
         check_against_deepspeed(root, run, tmp_path / run)
 
@@ -199,7 +222,7 @@ def _fake_deepspeed_dir(root: Path, model_state: dict) -> Path:
 
 def test_a_pickle_outside_the_allow_list_is_refused_naming_file_and_object(tmp_path):
     from zkit.checkpoint import CheckpointError
-    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+    from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 
     marker = tmp_path / "ran"
     where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {"w": torch.ones(2)}, "extra": _RunsCode(marker)})
@@ -216,7 +239,7 @@ def test_deepspeed_stand_ins_load_without_deepspeed(tmp_path, monkeypatch):
     import argparse
     import types
 
-    from zkit.checkpoint.deepspeed.unpickler import load_file
+    from zkit_deepspeed.checkpoint.unpickler import load_file
 
     # A file as DeepSpeed writes it, made without DeepSpeed: classes in modules named like its own.
     scaler_cls = type("DynamicLossScaler", (), {"__module__": "deepspeed.runtime.fp16.loss_scaler"})
@@ -240,7 +263,7 @@ def test_deepspeed_stand_ins_load_without_deepspeed(tmp_path, monkeypatch):
 
 def test_an_incomplete_deepspeed_checkpoint_names_the_missing_file(tmp_path):
     from zkit.checkpoint import CheckpointError
-    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+    from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 
     where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {}, "param_shapes": [{}]})
     torch.save({}, where / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
@@ -250,7 +273,7 @@ def test_an_incomplete_deepspeed_checkpoint_names_the_missing_file(tmp_path):
 
 def test_a_tensor_parallel_deepspeed_checkpoint_is_refused(tmp_path):
     from zkit.checkpoint import CheckpointError
-    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+    from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 
     where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {}})
     torch.save({"module": {}}, where / "mp_rank_01_model_states.pt")
@@ -260,7 +283,7 @@ def test_a_tensor_parallel_deepspeed_checkpoint_is_refused(tmp_path):
 
 def test_a_stage0_deepspeed_checkpoint_is_refused(tmp_path):
     from zkit.checkpoint import CheckpointError
-    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+    from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 
     where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {}, "optimizer": {}})
     with pytest.raises(CheckpointError, match="without ZeRO .stage 0.; only ZeRO stages 1-3"):
@@ -273,14 +296,16 @@ def test_a_stage0_deepspeed_checkpoint_is_refused(tmp_path):
 PIPE_RUNS = ("1:fp32", "1:bf16")
 
 
+PIPE_ARGS = ("--runs", ",".join(PIPE_RUNS), "--world", "4", "--stages", "2")
+#: started with the session, beside the other tests (tests/background.py)
+BACKGROUND = {"deepspeed_run": peer_commands("deepspeed_peer_run.py", "--runs", PEER_RUNS, then=_conversions),
+              "deepspeed_pipe_run": peer_commands("deepspeed_peer_pipe.py", *PIPE_ARGS)}
+
+
 @pytest.fixture(scope="module")
-def deepspeed_pipe_run(tmp_path_factory) -> tuple[Path, dict]:
+def deepspeed_pipe_run(background, request) -> tuple[Path, dict]:
     """DeepSpeed's pipeline checkpoints (``<root>/pipe-<zero>-<dtype>/``) and its losses."""
-    reason = _peer_missing()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("deepspeed-pipe")
-    _run_peer("deepspeed_peer_pipe.py", root, "--runs", ",".join(PIPE_RUNS), "--world", "4", "--stages", "2")
+    root = peer_job(background, request)
     return root, json.loads((root / "pipe-results.json").read_text())
 
 
@@ -288,7 +313,7 @@ def continue_pipe_runs(runs: list[tuple[str, int, int, str]]) -> list[dict]:
     """Rank function: for every ``(deepspeed_dir, pipeline_stages, zero_stage, dtype)`` load the
     DeepSpeed pipeline checkpoint into a fresh zkit ``PipelineModule`` and train ``AFTER`` more steps."""
     from deepspeed_peer_model import pipe_batches, pipe_config, pipe_layers, pipe_loss
-    from zkit.compat.deepspeed import pipe
+    from deepspeed import pipe
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     out = []
@@ -332,7 +357,7 @@ def test_consolidate_a_deepspeed_pipeline_checkpoint(deepspeed_pipe_run, tmp_pat
     (fp32 training weights are the masters), the tied weight written once."""
     import safetensors.torch
 
-    from zkit.checkpoint.deepspeed.unpickler import load_file
+    from zkit_deepspeed.checkpoint.unpickler import load_file
     from zkit.cli import main as cli_main
 
     root, _ = deepspeed_pipe_run
@@ -350,7 +375,7 @@ def test_consolidate_a_deepspeed_pipeline_checkpoint(deepspeed_pipe_run, tmp_pat
 def test_a_deepspeed_bf16_checkpoint_without_zero_is_refused(tmp_path):
     """DeepSpeed's BF16_Optimizer (bf16 at stage 0) records neither a stage nor the parameters' shapes."""
     from zkit.checkpoint import CheckpointError
-    from zkit.checkpoint.deepspeed.checkpoint import DeepSpeedCheckpoint
+    from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 
     where = _fake_deepspeed_dir(tmp_path / "ckpt", {"module": {"w": torch.ones(4)}, "param_shapes": None})
     torch.save({"optimizer_state_dict": {"single_partition_of_fp32_groups": [torch.ones(4)], "partition_count": [1]}},

@@ -17,19 +17,19 @@ from zkit.testing import run_ranks
 
 from deepspeed_peer_model import ds_config
 from deepspeed_peer_tied import TiedLM, tied_batch
-from test_deepspeed_checkpoint_import import BEFORE, _peer_missing, _run_peer
+from test_deepspeed_checkpoint_import import BEFORE, peer_commands, peer_job
 
 AFTER = 4
 RTOL = 1e-6
 
 
+#: started with the session, beside the other tests (tests/background.py)
+BACKGROUND = {"tied_run": peer_commands("deepspeed_peer_tied.py", "--runs", "2:fp32,3:fp32", "--after", str(AFTER))}
+
+
 @pytest.fixture(scope="module")
-def tied_run(tmp_path_factory) -> tuple[Path, dict]:
-    reason = _peer_missing()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("deepspeed-tied")
-    _run_peer("deepspeed_peer_tied.py", root, "--runs", "2:fp32,3:fp32", "--after", str(AFTER))
+def tied_run(background, request) -> tuple[Path, dict]:
+    root = peer_job(background, request)
     return root, json.loads((root / "tied-results.json").read_text())
 
 

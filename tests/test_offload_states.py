@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zkit
-from zkit.compat.deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
+from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum
 from zkit.testing import run_ranks
 
 import offload_states_ranks as osr

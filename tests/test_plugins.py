@@ -155,6 +155,7 @@ def test_registration_hooks_are_called_through_pluggy():
     assert pm.config_sections()["runtime_section"].dist == "third_party"
     for family in FAMILIES:
         pm.records(family)
+    pm.checkpoint_formats()
     assert {name for name, _ in wrapped} == set(REGISTRATION_HOOKS)
     assert all(count == 1 for _, count in wrapped)  # one call per answering plugin, each wrapped
     for hook_name in ("zkit_register_optimizers", "zkit_config_sections"):

@@ -5,7 +5,6 @@ checkpoint the way Lightning reads them."""
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,20 +12,18 @@ import torch
 
 import zkit
 from zkit.checkpoint import consolidate
-from zkit.compat.deepspeed.utils import zero_to_fp32 as z2f
+from deepspeed.utils import zero_to_fp32 as z2f
 
 #: DeepSpeed's checkpoints the comparison converts (``test_deepspeed_checkpoint_import``'s runs)
 RUNS = ("2-fp32", "3-fp32")
 
 
-def convert_deepspeeds_outputs(root: Path) -> None:
-    """DeepSpeed's own conversions of the runs' checkpoints, into ``<run>.converted/``."""
-    from test_deepspeed_checkpoint_import import HERE, PEER_PYTHON, _peer_env
+def deepspeeds_conversion_argv(root: Path) -> list[str]:
+    """The command of DeepSpeed's own conversions of the runs' checkpoints, into ``<run>.converted/``
+    (``test_deepspeed_checkpoint_import`` runs it after DeepSpeed's training run)."""
+    from test_deepspeed_checkpoint_import import HERE, PEER_PYTHON
 
-    proc = subprocess.run([str(PEER_PYTHON), str(HERE / "deepspeed_peer_zero_to_fp32.py"),
-                           *(str(root / run) for run in RUNS)], env=_peer_env(), capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [str(PEER_PYTHON), str(HERE / "deepspeed_peer_zero_to_fp32.py"), *(str(root / run) for run in RUNS)]
 
 
 def _files(directory: Path) -> dict[str, dict[str, torch.Tensor]]:

@@ -26,7 +26,7 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from zkit.activations.policy import CheckpointWrapper, apply, remove, select_blocks
 from zkit.activations.rng import TrackerStates, register_rng_tracker
-from zkit.activations.settings import CheckpointSettings, as_communicator, section_from
+from zkit.activations.settings import CheckpointSettings, as_communicator, assembly_of, section_from
 from zkit.activations.storage import InputStore
 
 log = logging.getLogger("zkit.checkpointing")
@@ -121,7 +121,8 @@ def configure(
                 raise ValueError(f"num_checkpoints must be an int >= 1, got {value!r}")
         elif type(value) is not bool:
             raise ValueError(f"{key} must be a bool, got {value!r}")
-    extra = {"group": as_communicator(group), "allocator": allocator}
+    assembly = assembly_of(config_or_engine)
+    extra = {"group": as_communicator(group, assembly), "allocator": allocator, "assembly": assembly}
     if pin_memory is not None:
         extra["pin_memory"] = bool(pin_memory)
     settings = CheckpointSettings.from_section(section, **extra)
@@ -194,7 +195,7 @@ def _store_for(group: Any) -> InputStore:
         return _State.store
     store = _State.group_stores.get(id(group))
     if store is None:
-        s = attrs.evolve(_State.settings, group=as_communicator(group))
+        s = attrs.evolve(_State.settings, group=as_communicator(group, _State.settings.assembly))
         store = _State.group_stores[id(group)] = InputStore(s)
         store.group_ref = group  # keeps id(group) from being reused while cached
     return store

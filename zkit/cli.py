@@ -3,7 +3,7 @@
     zkit run --nproc 2 train.py --my-arg 1        # launch ranks with torch.distributed's own launcher
     zkit -p no:offload plugins                    # block a plugin, list what every family offers
     zkit report                                   # versions, backends, kernels, plugins
-    zkit consolidate ckpt model.safetensors       # a sharded checkpoint (zkit's or DeepSpeed's) as one state dict
+    zkit consolidate ckpt model.safetensors       # a sharded checkpoint (any format that reads pieces) as one state dict
     zkit consolidate ckpt out --format hf --hf-config config.json   # a save_pretrained directory
     zkit estimate --preset gpt2-350m --batch 8    # per-rank memory of every stage/offload/dtype
 """
@@ -58,9 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     cons.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     cons.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32",
                       help="dtype of floating-point tensors in the output (default: fp32)")
-    cons.add_argument("--format", choices=("file", "hf", "dcp"), default="file",
-                      help="file: one state dict (by the suffix); hf: a Hugging Face save_pretrained directory "
-                           "(needs --hf-config); dcp: a PyTorch Distributed Checkpoint directory (torchtitan, FSDP2)")
+    cons.add_argument("--format", default="file", type=str.lower,
+                      help="file: one state dict (by the suffix); or a checkpoint format that exports (zkit plugins "
+                           "lists them): hf, a Hugging Face save_pretrained directory (needs --hf-config); dcp, a "
+                           "PyTorch Distributed Checkpoint directory (torchtitan, FSDP2)")
     cons.add_argument("--hf-config", default=None,
                       help="with --format hf: the model's save_pretrained directory or its config.json")
     cons.add_argument("--max-shard-bytes", type=int, default=None,
@@ -161,17 +162,25 @@ def _master_port(args: argparse.Namespace) -> int:
 
 
 def consolidate(args: argparse.Namespace) -> int:
+    """One state dict file (``--format file``), or an export in a checkpoint format's ``export``."""
     from zkit.checkpoint.consolidate import write_consolidated
     from zkit.checkpoint.errors import CheckpointError
+    from zkit.checkpoint.formats import named, operation
+    from zkit.plugins import get_plugin_manager
 
     if args.format != "hf" and (args.hf_config or args.max_shard_bytes):
         raise SystemExit("zkit consolidate: --hf-config and --max-shard-bytes go with --format hf")
+    if args.format == "hf" and not args.hf_config:
+        raise SystemExit("zkit consolidate --format hf needs --hf-config: the model's save_pretrained directory or "
+                         "its config.json (the checkpoint holds weights, not the model's configuration)")
     try:
-        if args.format == "hf":
-            return _export_hf(args)
-        if args.format == "dcp":
-            return _export_dcp(args)
-        done = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
+        pm = get_plugin_manager()
+        if args.format != "file":
+            export = operation(named(pm, args.format), "export")
+            options = {"config": args.hf_config, "max_shard_bytes": args.max_shard_bytes} if args.format == "hf" else {}
+            print(export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, **options).summary())
+            return 0
+        done = write_consolidated(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, pm=pm)
     except (CheckpointError, ValueError) as exc:
         raise SystemExit(f"zkit consolidate: {exc}") from None
     tied = done.tensors - done.distinct
@@ -179,29 +188,6 @@ def consolidate(args: argparse.Namespace) -> int:
         f"wrote {done.path}: {done.tensors} tensors ({tied} tied aliases), {done.nbytes:,} bytes of tensor data "
         f"({done.dtype}), file {done.path.stat().st_size:,} bytes, from {done.source}"
     )
-    return 0
-
-
-def _export_hf(args: argparse.Namespace) -> int:
-    from zkit.checkpoint.export_hf import DEFAULT_MAX_SHARD_BYTES, write_hf_pretrained
-
-    if not args.hf_config:
-        raise SystemExit("zkit consolidate --format hf needs --hf-config: the model's save_pretrained directory or "
-                         "its config.json (the checkpoint holds weights, not the model's configuration)")
-    done = write_hf_pretrained(args.checkpoint, args.out, config=args.hf_config, tag=args.tag, dtype=args.dtype,
-                               max_shard_bytes=args.max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
-    print(f"wrote {done.directory}: {done.tensors} tensors in {len(done.shards)} safetensors shard(s), "
-          f"{done.nbytes:,} bytes ({done.dtype}); tied names left for the model to re-tie: "
-          f"{', '.join(done.tied) or 'none'}")
-    return 0
-
-
-def _export_dcp(args: argparse.Namespace) -> int:
-    from zkit.checkpoint.dcp import write_dcp
-
-    done = write_dcp(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype)
-    print(f"wrote {done.directory}: {done.tensors} model tensors, optimizer state of {done.optimizer_tensors} "
-          f"parameters, {done.nbytes:,} bytes ({done.dtype})")
     return 0
 
 
@@ -270,6 +256,9 @@ def plugins_text() -> str:
             lines.append(f"  {rec.name:22s} {rec.dist:24s} {rec.description}{extra}{aliases}")
         if not seen:
             lines.append("  (none)")
+    lines.append("checkpoint format:")
+    for rec in pm.checkpoint_formats().values():
+        lines.append(f"  {rec.name:22s} {rec.dist:24s} {rec.description} [{', '.join(rec.provides())}]")
     sections = pm.config_sections()
     if sections:
         lines.append("config sections:")

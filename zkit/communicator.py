@@ -132,6 +132,18 @@ class Communicator(abc.ABC):
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Receive into ``tensor`` from global rank ``src``."""
 
+    def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        """Start sending ``tensor`` to global rank ``dst``; keep ``tensor`` until the handle's
+        ``wait()`` returns. Default: :meth:`send`, done on return (a pipeline whose stages send
+        to each other at once needs a communicator that overrides this)."""
+        self.send(tensor, dst)
+        return DoneHandle()
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        """Start receiving into ``tensor`` from global rank ``src``. Default: :meth:`recv`."""
+        self.recv(tensor, src)
+        return DoneHandle()
+
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank of the group reaches this point."""

@@ -17,11 +17,14 @@ import logging
 import math
 import os
 import time
+from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
 from zkit import diagnostics, distributed, host_memory
+from zkit.assembly import Assembly
+from zkit.checkpoint import formats as checkpoint_formats
 from zkit.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
 from zkit.config import ZkitConfig, load_config
 from zkit.microstep import MicroStep
@@ -63,12 +66,17 @@ def initialize(
     args: Any = None,
     dist_init_required: bool | None = None,
     mpu: Any = None,
+    engine_class: type["Engine"] | None = None,
 ) -> tuple["Engine", torch.optim.Optimizer, Any, Any]:
     """Build an :class:`Engine`; returns ``(engine, optimizer, dataloader, lr_scheduler)`` like
     ``deepspeed.initialize``. ``config`` is a DeepSpeed-style dict or JSON path (``config_params``
     and ``args.deepspeed_config`` are accepted too); ``stack`` chooses plugins in Python;
     ``optimizer`` may be a torch optimizer (its class and defaults are rebuilt over the shards) or a
-    callable ``param_groups -> optimizer``."""
+    callable ``param_groups -> optimizer``. ``engine_class`` builds a subclass of :class:`Engine`
+    instead (the ``deepspeed`` drop-in's ``DeepSpeedEngine`` adds DeepSpeed's remaining accessors);
+    it takes :class:`Engine`'s constructor arguments."""
+    if engine_class is not None and not (isinstance(engine_class, type) and issubclass(engine_class, Engine)):
+        raise TypeError(f"zkit.initialize(engine_class={engine_class!r}): give a subclass of zkit.engine.Engine")
     if model is None:
         raise ValueError("zkit.initialize needs model=")
     if mpu is not None:
@@ -78,7 +86,7 @@ def initialize(
     if config is None:
         raise ValueError("zkit.initialize needs config= (a dict or a path to a DeepSpeed-style JSON file)")
     host_memory.return_freed_memory()
-    engine = Engine(
+    engine = (engine_class or Engine)(
         model,
         config,
         stack=stack or Stack(),
@@ -159,10 +167,12 @@ class Engine(torch.nn.Module):
         self.module = cast_model(model, self.dtype, self.device)
         if compiled_with is not None:
             compile_in_place(self.module, self.records["partitioner"].stage, compiled_with)
-        self.comm = self.records["communicator"].factory(dp_group, self.config)
+        #: where communicators, the allocator and stores come from (plugins ask it too)
+        self.assembly = Assembly(self.pm, self.config, self.stack, self.records, self.device)
+        self.comm = self.assembly.gradient_communicator(dp_group)
         #: the whole world (a pipeline's point-to-point transfers); the same object without a group
-        self.world_comm = self.comm if dp_group is None else self.records["communicator"].factory(None, self.config)
-        self.allocator = self.records["allocator"].factory(self.device, self.config)
+        self.world_comm = self.comm if dp_group is None else self.assembly.communicator(None)
+        self.allocator = self.assembly.allocator
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         _setup_logging(self.rank)
         # Ranks that built the model from different seeds must still train one model (as DDP and
@@ -172,6 +182,8 @@ class Engine(torch.nn.Module):
         #: built without an optimizer: forward and eval only (backward/step say so)
         self.inference_only = False
         opt_record, opt_params = self._optimizer_choice(client_optimizer)
+        if opt_record.needs_communicator:
+            opt_params = {**opt_params, "comm": self.comm}
         self.partitioner: Partitioner = self.records["partitioner"].factory(
             PartitionContext(
                 module=self.module,
@@ -186,8 +198,6 @@ class Engine(torch.nn.Module):
             )
         )
         self.optimizer = self.partitioner.optimizer
-        if getattr(self.optimizer, "wants_communicator", False):
-            self.optimizer.comm = self.comm
         self.lr_scheduler = self._lr_scheduler(client_lr_scheduler)
         self.loss_scaler = LossScaler.from_config(self.config.fp16)
         self.training_dataloader = self._dataloader(training_data, collate_fn) if training_data is not None else None
@@ -297,7 +307,8 @@ class Engine(torch.nn.Module):
             drop_last=self.config.dataloader_drop_last,
         )
 
-    # -- DeepSpeed-compatible accessors -------------------------------------------------------------
+    # -- accessors (DeepSpeed's names; those only DeepSpeed code reads are on the drop-in's
+    # deepspeed.DeepSpeedEngine, a subclass built through initialize(engine_class=...)) ---------
     def gradient_accumulation_steps(self) -> int:
         return self.config.gradient_accumulation_steps
 
@@ -320,44 +331,11 @@ class Engine(torch.nn.Module):
         boundary); once called, it decides instead of the engine's micro-step counter."""
         self._boundary_override = bool(is_boundary)
 
-    @property
-    def global_rank(self) -> int:
-        """This process's rank in the whole job."""
-        return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its node (the launcher's ``LOCAL_RANK``)."""
-        return int(os.environ.get("LOCAL_RANK", "0"))
-
-    @property
-    def dp_world_size(self) -> int:
-        """The number of data-parallel replicas."""
-        return self.world_size
-
-    @property
-    def mp_world_size(self) -> int:
-        """The ranks one replica spans (pipeline x tensor parallel; 1 without model parallelism)."""
-        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        return world // self.world_size
-
     def zero_optimization_stage(self) -> int:
         return int(self.config.zero_optimization.stage)
 
-    def zero_optimization(self) -> bool:
-        return self.zero_optimization_stage() > 0
-
-    def fp16_enabled(self) -> bool:
-        return bool(self.config.fp16.enabled)
-
-    def bfloat16_enabled(self) -> bool:
-        return bool(self.config.bf16.enabled)
-
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
-
-    def steps_per_print(self) -> int:
-        return self.config.steps_per_print
 
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
@@ -680,12 +658,11 @@ class Engine(torch.nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """``exclude_frozen_parameters``: leave parameters with ``requires_grad=False`` out of the
         module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
-        from zkit.checkpoint import save_checkpoint
-
         require_on_device(self, "save_checkpoint")
+        save = checkpoint_formats.operation(checkpoint_formats.named(self.pm, checkpoint_formats.NATIVE), "save")
         with diagnostics.phase("save_checkpoint"):
-            return save_checkpoint(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
-                                   exclude_frozen_parameters=exclude_frozen_parameters)
+            return save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                        exclude_frozen_parameters=exclude_frozen_parameters)
 
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
@@ -736,11 +713,10 @@ class Engine(torch.nn.Module):
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
     ) -> tuple[str | None, dict]:
-        from pathlib import Path
-
-        from zkit.checkpoint.dcp import is_dcp
-
-        if tag is None and not (Path(load_dir) / "latest").is_file() and not is_dcp(Path(load_dir)):
+        """Load with the checkpoint format that recognises ``load_dir`` (zkit's, DCP, DeepSpeed's
+        with the drop-in, or one a plugin registers: :mod:`zkit.checkpoint.formats`)."""
+        found = checkpoint_formats.for_load(self.pm, Path(load_dir), tag)
+        if found is None:
             # DeepSpeed's answer: a warning and (None, None), so "resume if there is anything to
             # resume" scripts start from scratch on their first run.
             log.warning(
@@ -748,19 +724,9 @@ class Engine(torch.nn.Module):
             )
             return None, None
         with diagnostics.phase("load_checkpoint"):
-            return self._load(load_dir, tag, load_optimizer_states and not load_module_only,
-                              load_lr_scheduler_states and not load_module_only)
-
-    def _load(self, load_dir: str, tag: str | None, optimizer_states: bool, lr_states: bool) -> tuple[str | None, dict]:
-        from zkit.checkpoint import load_checkpoint
-
-        return load_checkpoint(
-            self,
-            load_dir,
-            tag=tag,
-            load_optimizer_states=optimizer_states,
-            load_lr_scheduler_states=lr_states,
-        )
+            return found.load(self, Path(load_dir), tag,
+                              load_optimizer_states=load_optimizer_states and not load_module_only,
+                              load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 
     def close(self) -> None:
         """Free plugin resources (swap files, threads) and monitors. Safe to call twice."""
@@ -770,10 +736,7 @@ class Engine(torch.nn.Module):
         self.pm.hook.zkit_engine_close(engine=self)
         self.monitor.close()
         self.partitioner.close()
-        self.allocator.close()
-        self.comm.close()
-        if self.world_comm is not self.comm:
-            self.world_comm.close()
+        self.assembly.close()  # the allocator and every communicator it handed out
 
     #: DeepSpeed's name (Accelerate's ``free_memory()`` calls it)
     destroy = close

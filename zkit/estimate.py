@@ -12,6 +12,7 @@ and the activations of a GPT-shaped model for a batch, with and without checkpoi
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Sequence
 
 import attrs
@@ -19,6 +20,7 @@ import torch
 
 from zkit.estimator.activations import gpt_activation_bytes
 from zkit.estimator.model_states import OFFLOADS, STAGES, StateBytes, model_state_bytes
+from zkit.plugins import get_plugin_manager
 
 DTYPES = ("fp32", "fp16")
 #: optimizer name -> bytes of state per parameter element
@@ -102,6 +104,16 @@ def _check_choices(label: str, values: Iterable[Any], valid: Sequence[Any]) -> t
     return values
 
 
+@functools.lru_cache(maxsize=None)
+def store_align_elems(offload: str) -> int:
+    """Where the master store of the allocator that ``offload`` selects starts each unit: the
+    installed ``nvme`` allocator record's ``align_elems`` (zkit-offload's: 4 KiB); 1 otherwise."""
+    if offload != "nvme":
+        return 1
+    record = get_plugin_manager().records("allocator").get("nvme")
+    return record.align_elems if record is not None else 1
+
+
 def estimate_memory(
     model: torch.nn.Module | None = None,
     *,
@@ -171,6 +183,7 @@ def estimate_memory(
                         reduce_bucket_size=reduce_bucket_size, overlap_comm=overlap_comm,
                         optimizer_state_bytes=OPTIMIZER_STATE_BYTES[optimizer], accelerator=accelerator,
                         largest_layer=largest_layer, stage3_max_reuse_distance=stage3_max_reuse_distance,
+                        align_elems=store_align_elems(offload),
                     )
                     rows.append(Row(world, stage, offload, dtype, states))
     acts: list[ActivationRow] = []

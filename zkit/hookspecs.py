@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
     from zkit.records import (
         AllocatorRecord,
         AttentionRecord,
+        CheckpointFormatRecord,
         CommunicatorRecord,
         ConfigSectionRecord,
         OptimizerRecord,
@@ -125,6 +126,26 @@ def zkit_register_attention() -> Iterable[AttentionRecord]:
 
 
 @hookspec
+def zkit_register_checkpoint_formats() -> Iterable[CheckpointFormatRecord]:
+    """Yield :class:`~zkit.records.CheckpointFormatRecord` s: checkpoint formats zkit reads or
+    writes. ``engine.load_checkpoint(path, tag)`` asks every format's ``detect(path, tag)`` (an
+    installed plugin's before the built-ins') and loads with the first that answers; a directory
+    no format recognises loads as zkit's own, whose errors name what is missing.
+    ``engine.save_checkpoint`` writes the ``"zkit"`` format; ``zkit consolidate`` reads a
+    checkpoint through its format's ``pieces`` and writes ``--format NAME`` through that format's
+    ``export``. Built in: ``"zkit"`` (load, save, pieces), ``"dcp"`` (PyTorch Distributed
+    Checkpoint: load, export) and ``"hf"`` (a ``save_pretrained`` directory: export); the
+    ``deepspeed`` drop-in adds ``"deepspeed"`` (load, pieces). Example::
+
+        @zkit.hookimpl
+        def zkit_register_checkpoint_formats():
+            yield CheckpointFormatRecord(
+                name="myformat", detect=lambda path, tag: (path / "my.index").is_file(), load=load_mine
+            )
+    """
+
+
+@hookspec
 def zkit_config_sections() -> Iterable[ConfigSectionRecord]:
     """Yield :class:`~zkit.records.ConfigSectionRecord` s for the config keys the plugin owns
     (``"sparse_attention"``, ``"zero_optimization.offload_optimizer"``). The loader structures the
@@ -181,12 +202,14 @@ def zkit_eval_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
 
 
 @hookspec
-def zkit_before_backward(engine: Engine, loss: Any) -> None:
+def zkit_before_backward(engine: Engine, loss: Any, boundary: bool) -> None:
     """Called before every backward pass that accumulates parameter gradients, by the one
     micro-step protocol (:class:`zkit.microstep.MicroStep`) that ``engine.backward(loss)`` and
     schedules driving their own micro-batches (a pipeline stage's backward instructions) share.
     ``loss`` is the micro-batch's loss before scaling, or ``None`` on a pipeline stage that
-    back-propagates the gradient it received from the next stage."""
+    back-propagates the gradient it received from the next stage. ``boundary``: this backward
+    ends the batch (the optimizer step comes next); zkit-offload's ``step_in_backward`` starts
+    stepping sub-groups here. An implementation may leave out the arguments it does not use."""
 
 
 @hookspec

@@ -43,7 +43,7 @@ class MicroStep:
         """Around one backward pass: ``loss`` is the micro-batch's unscaled loss (``None`` on a
         pipeline stage that back-propagates the gradient received from the next stage)."""
         engine, partitioner = self.engine, self.engine.partitioner
-        engine.pm.hook.zkit_before_backward(engine=engine, loss=loss)
+        engine.pm.hook.zkit_before_backward(engine=engine, loss=loss, boundary=boundary)
         with partitioner.backward_context(boundary):
             yield
         partitioner.after_backward(boundary)

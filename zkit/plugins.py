@@ -21,7 +21,7 @@ import attrs
 import pluggy
 
 from zkit import hookspecs
-from zkit.records import FAMILIES, ConfigSectionRecord, Record
+from zkit.records import FAMILIES, CheckpointFormatRecord, ConfigSectionRecord, Record
 
 ENTRY_POINT_GROUP = "zkit"
 
@@ -54,13 +54,14 @@ class ZkitPluginManager(pluggy.PluginManager):
         self._dists: dict[int, str] = {}
         self._records: dict[str, dict[str, Record]] | None = None
         self._sections: dict[str, ConfigSectionRecord] | None = None
+        self._formats: dict[str, CheckpointFormatRecord] | None = None
 
     # -- registration -------------------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None, dist: str | None = None) -> str | None:
         result = super().register(plugin, name=name)
         if result is not None:
             self._dists[id(plugin)] = dist or _dist_of(plugin)
-        self._records = self._sections = None
+        self._records = self._sections = self._formats = None
         return result
 
     def load_entrypoints(self, only: Iterable[str] | None = None) -> None:
@@ -163,6 +164,27 @@ class ZkitPluginManager(pluggy.PluginManager):
                 found[rec.path] = rec
             self._sections = found
         return self._sections
+
+    def checkpoint_formats(self) -> dict[str, CheckpointFormatRecord]:
+        """``{name: record}`` of every checkpoint format, installed plugins' before the built-ins'
+        (the order :mod:`zkit.checkpoint.formats` asks them to recognise a directory)."""
+        if self._formats is None:
+            found: dict[str, CheckpointFormatRecord] = {}
+            for dist, rec in self._call_each("zkit_register_checkpoint_formats"):
+                if not isinstance(rec, CheckpointFormatRecord):
+                    raise PluginError(
+                        f"zkit_register_checkpoint_formats of distribution {dist!r} yielded {rec!r}; expected a "
+                        f"zkit.records.CheckpointFormatRecord"
+                    )
+                if rec.name in found:
+                    raise PluginError(
+                        f"two checkpoint formats are named {rec.name!r}: one from {found[rec.name].dist!r}, one from "
+                        f"{dist!r}. Uninstall or block one of them (zkit -p no:NAME, or ZKIT_BLOCK_PLUGINS=NAME)."
+                    )
+                found[rec.name] = attrs.evolve(rec, dist=dist)
+            builtin = [n for n, r in found.items() if r.dist == "zkit"]
+            self._formats = {n: found[n] for n in [*(n for n in found if n not in builtin), *builtin]}
+        return self._formats
 
     # -- per-plugin results (checkpoint state) ------------------------------------------------
     def call_each_named(self, hook_name: str, **kwargs: Any) -> dict[str, Any]:

@@ -3,13 +3,16 @@
 Every family of plugins (partitioner, communicator, optimizer, scheduler, allocator, attention)
 registers *records*: frozen attrs classes holding a name, a factory and what the engine must know
 about the thing before building it. The config or a :class:`zkit.Stack` picks a record by name.
+Checkpoint formats (:class:`CheckpointFormatRecord`) are records too, picked by which one
+recognises a directory.
 
 A plugin never fills in ``dist``: the plugin manager stamps each record with the distribution that
 registered it, so that a duplicate name can be reported naming both distributions.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Literal
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Literal
 
 import attrs
 
@@ -58,8 +61,16 @@ class CommunicatorRecord(Record):
     """Collectives between ranks.
 
     ``factory(group, config) -> zkit.communicator.Communicator`` where ``group`` is a
-    ``torch.distributed`` process group (``None`` = the default group).
+    ``torch.distributed`` process group (``None`` = the default group). The engine's
+    :class:`~zkit.assembly.Assembly` calls it, once per group.
+
+    ``wraps``: the name of a communicator record this one sends through (a compressing
+    communicator over torch's collectives); the assembly builds that one over the same group
+    and calls ``factory(group, config, transport=...)``. Such a communicator carries the
+    data-parallel gradient exchange only; every other process group gets the one it wraps.
     """
+
+    wraps: str | None = None
 
 
 @attrs.frozen(kw_only=True)
@@ -100,6 +111,9 @@ class OptimizerRecord(Record):
       name. 1-bit Adam's frozen variance is not Adam's second moment, so it has its own format.
     * ``communicator``: the communicator record the optimizer exchanges through (1-bit Adam's
       ``"onebit"``), chosen for it unless the user's stack names one.
+    * ``needs_communicator``: the factory takes ``comm=``, the engine's data-parallel
+      communicator (the one the partitioner reduces gradients through), for collectives the
+      optimizer issues itself (1-bit Adam's compressed momenta).
     """
 
     state_names: tuple[str, ...] = ()
@@ -107,6 +121,7 @@ class OptimizerRecord(Record):
     devices: tuple[str, ...] = ("cpu", "cuda")
     state_format: str | None = None
     communicator: str | None = None
+    needs_communicator: bool = False
 
     @property
     def saved_state_format(self) -> str:
@@ -136,7 +151,14 @@ class AllocatorRecord(Record):
     """Where tensors live: device memory, pinned host pools, NVMe files.
 
     ``factory(device: torch.device, config) -> zkit.alloc.Allocator``.
+
+    ``align_elems``: fp32 elements per alignment block at which the allocator's master store
+    (:meth:`zkit.alloc.Allocator.master_store`) starts every unit's shard (zkit-offload's ``nvme``:
+    1024, 4 KiB for direct I/O); 1 where units are packed back to back. The memory estimator
+    (:mod:`zkit.estimator`) lays units out by it.
     """
+
+    align_elems: int = attrs.field(default=1, validator=attrs.validators.ge(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -162,6 +184,46 @@ class ConfigSectionRecord:
     schema: type
     description: str = ""
     dist: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointFormatRecord:
+    """A checkpoint format: how to recognise a directory holding one, and what zkit can do with it.
+
+    ``detect(path, tag) -> bool``: whether ``engine.load_checkpoint(path, tag)`` would find a
+    checkpoint of this format (``tag=None``: the tag the directory's ``latest`` file names, or the
+    directory itself for a format without tags). ``detect(dir.parent, dir.name)`` asks whether
+    ``dir`` is one tag's directory. It must not raise for a directory of another format.
+
+    The operations; a format leaves out what it cannot do (``None``), and asking for it is an error
+    naming the format:
+
+    * ``load(engine, path, tag, *, load_optimizer_states, load_lr_scheduler_states)
+      -> (loaded path, client_state)``: fill the engine's pieces at any world size and stage.
+    * ``save(engine, save_dir, *, tag, client_state, save_latest, exclude_frozen_parameters)
+      -> tag``: write the engine's state (``engine.save_checkpoint`` uses the ``"zkit"`` format).
+    * ``pieces(where) -> zkit.checkpoint.piece_source.PieceSource``: one tag's directory as zkit's
+      pieces and index, which ``zkit consolidate`` and the exports read, streaming.
+    * ``export(checkpoint_dir, out, *, tag, dtype, **options) -> summary``: write any readable
+      checkpoint in this format (``zkit consolidate --format NAME``); the summary's ``summary()``
+      is the line the command prints.
+    """
+
+    name: str = attrs.field(converter=_name)
+    detect: Callable[[Path, "str | None"], bool]
+    load: Callable[..., tuple[Any, Any]] | None = None
+    save: Callable[..., str] | None = None
+    pieces: Callable[[Path], Any] | None = None
+    export: Callable[..., Any] | None = None
+    description: str = ""
+    #: set by the plugin manager: the distribution (or ``"zkit"``) that registered the record.
+    dist: str = ""
+
+    #: the operations a format may provide, in the order ``zkit plugins`` lists them
+    OPERATIONS: ClassVar[tuple[str, ...]] = ("load", "save", "pieces", "export")
+
+    def provides(self) -> tuple[str, ...]:
+        return tuple(op for op in self.OPERATIONS if getattr(self, op) is not None)
 
 
 FAMILIES: tuple[str, ...] = (

@@ -1,6 +1,10 @@
 """What an allocator may hand the ZeRO partitioner besides buffers: stores that keep model states
 out of memory (zkit-offload's NVMe files), and a step that runs around them.
 
+The protocols say only what the partitioner needs of any store. What one store does besides
+(zkit-offload steps sub-groups during the backward that ends a batch) reaches the kernel through
+hooks (``zkit_before_backward``), not through members here.
+
 :class:`zkit.alloc.Allocator` answers ``master_store``, ``param_shard_store`` and
 ``optimizer_stepper`` with ``None`` by default (everything in the allocator's buffers, the
 partitioner steps the optimizer); an offload allocator returns one of these.
@@ -30,24 +34,17 @@ class MasterStore(Protocol):
         """Add one micro-step's reduced gradient shard (any device, any float dtype) to what the
         batch accumulated; ``grad`` may be reused on return."""
 
-    def begin_last_backward(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]],
-                            publish: Callable[[int, torch.Tensor], None]) -> None:
-        """The backward that ends a batch is about to run (arguments as for :meth:`step`). A store
-        may step parts of the batch as their gradients complete; :meth:`step` then finishes that
-        step. A store that steps only in :meth:`step` does nothing here."""
-
-    @property
-    def stepped_in_backward(self) -> bool:
-        """Whether the batch's step began in backward (so it can no longer be skipped)."""
-
-    def cancel_backward_step(self) -> None:
-        """Drop a step begun in backward (the job is stopping); nothing when none began."""
-
     def grad_norm_sq(self) -> float:
         """Squared L2 norm of this rank's accumulated gradients."""
 
     def zero_grad(self) -> None:
         """The next :meth:`add_grad` of every unit starts a new batch."""
+
+    def skip_step(self) -> None:
+        """The batch is skipped (its loss or gradients were not finite): the partitioner calls
+        :meth:`zero_grad` next. A store that already applied part of the step (a plugin that steps
+        parts of the batch during backward, through its own hooks) raises
+        :class:`FloatingPointError` saying so, as :meth:`zkit.partition.Partitioner.skip_step` does."""
 
     def step(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]], grad_factor: float,
              publish: Callable[[int, torch.Tensor], None]) -> None:
@@ -65,7 +62,8 @@ class ParamShardStore(Protocol):
     lookahead: int
 
     def adopt(self, units: Sequence[Any]) -> None:
-        """Take the shards of these :class:`~zkit.zero.sharded_params.ShardedUnit` s (set ``su.store``)."""
+        """Take the shards of these :class:`~zkit.zero.sharded_params.ShardedUnit` s: ``su.stored_in(self)``
+        for each shard it keeps, ``su.shard_to_memory()`` for one another store held."""
 
     def take(self, su: Any, allocator: Any = None, into: torch.Tensor | None = None) -> torch.Tensor:
         """Give ``su``'s shard back as a tensor (into ``into`` or a new ``allocator`` buffer)."""

@@ -7,6 +7,7 @@ import attrs
 import torch
 
 from zkit.alloc import Allocator
+from zkit.assembly import Assembly
 from zkit.communicator import Communicator
 from zkit.config.sections import ActivationCheckpointingConfig
 
@@ -19,7 +20,8 @@ class CheckpointSettings:
     ``group`` is the tensor-parallel communicator that ``partition_activations`` splits saved
     inputs over (``None``, or a group of one rank: nothing to split). ``allocator`` is the
     engine's, when one is active: host copies are counted (and, where it places activations on
-    the host, allocated) under its ``"activation"`` purpose.
+    the host, allocated) under its ``"activation"`` purpose. ``assembly`` is the engine's, when
+    configured from one: a torch process group passed as a group becomes its communicator.
     """
 
     partition_activations: bool = False
@@ -30,6 +32,7 @@ class CheckpointSettings:
     profile: bool = False
     group: Communicator | None = None
     allocator: Allocator | None = None
+    assembly: Assembly | None = None
     pin_memory: bool = True
 
     @property
@@ -82,14 +85,20 @@ def section_from(source: Any) -> tuple[ActivationCheckpointingConfig, Allocator 
     )
 
 
-def as_communicator(group: Any) -> Communicator | None:
-    """A zkit communicator from a communicator, a torch ProcessGroup, or ``None``."""
+def assembly_of(source: Any) -> Assembly | None:
+    """The engine's assembly when ``source`` is an engine, else None."""
+    assembly = getattr(source, "assembly", None)
+    return assembly if isinstance(assembly, Assembly) else None
+
+
+def as_communicator(group: Any, assembly: Assembly | None = None) -> Communicator | None:
+    """A zkit communicator from a communicator, a torch ProcessGroup, or ``None``. A process
+    group gets the communicator ``assembly`` (the engine's; else one built for the defaults and
+    the installed plugins) gives for it."""
     if group is None or isinstance(group, Communicator):
         return group
     if isinstance(group, torch.distributed.ProcessGroup):
-        from zkit.builtin.comm_torch import TorchCommunicator
-
-        return TorchCommunicator(group)
+        return (assembly or Assembly.build()).communicator(group)
     raise TypeError(
         "group= must be a zkit Communicator (e.g. ProcessGrid.build()['tensor']) or a "
         f"torch.distributed ProcessGroup, got {type(group).__name__}"

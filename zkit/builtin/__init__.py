@@ -5,6 +5,7 @@ from __future__ import annotations
 from zkit.builtin import (
     alloc_flat,
     attn_dense,
+    checkpoint_formats,
     comm_torch,
     optim_torch,
     partitioners,
@@ -21,4 +22,5 @@ PLUGINS = [
     ("zkit.partitioners", partitioners),
     ("zkit.attn_dense", attn_dense),
     ("zkit.train_loop", train_loop),
+    ("zkit.checkpoint_formats", checkpoint_formats),
 ]

@@ -230,6 +230,18 @@ class TorchCommunicator(Communicator):
         with self.watch():
             dist.recv(tensor, src=src, group=self.group)
 
+    def isend(self, tensor, dst):
+        self.account("send", _nbytes(tensor))
+        self.fingerprints.record("send", tensor)
+        with self.watch():
+            return dist.isend(tensor, dst=dst, group=self.group)
+
+    def irecv(self, tensor, src):
+        self.account("recv", 0)
+        self.fingerprints.record("recv", tensor)
+        with self.watch():
+            return dist.irecv(tensor, src=src, group=self.group)
+
     def barrier(self):
         self.fingerprints.record("barrier")
         if self.world_size > 1:
@@ -245,9 +257,11 @@ class TorchCommunicator(Communicator):
             dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def subgroup(self, ranks: Sequence[int]) -> "TorchCommunicator":
-        group = dist.new_group(ranks=sorted(ranks))
-        return type(self)(group, flat_collectives=self.flat.kind)
+    def subgroup(self, ranks: Sequence[int], backend: str | None = None) -> "TorchCommunicator":
+        """A communicator of this kind over a new group of ``ranks`` (collective over the world),
+        on ``backend`` (default: the default group's)."""
+        group = dist.new_group(ranks=sorted(ranks), backend=backend)
+        return type(self)(group, flat_collectives=self.flat.kind if backend is None else None)
 
 
 def _nbytes(t: torch.Tensor) -> int:

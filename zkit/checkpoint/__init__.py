@@ -11,6 +11,9 @@ uses ``torch.load(weights_only=True)``.
 
 A model split over model-parallel ranks (pipeline stages, tensor slices) writes one such sharded
 checkpoint per part, in ``<dir>/<tag>/<part>/``, under one tag (:mod:`zkit.checkpoint.parts`).
+
+This is the ``"zkit"`` checkpoint format; the engine and ``zkit consolidate`` reach it, DCP, the
+Hugging Face export and any format a plugin registers through :mod:`zkit.checkpoint.formats`.
 """
 from zkit.checkpoint.consolidate import consolidate
 from zkit.checkpoint.errors import CheckpointError

@@ -37,10 +37,12 @@ from typing import Any
 import attrs
 import torch
 
+from zkit.checkpoint import formats
 from zkit.checkpoint.digest import Digest, verify_tensor
-from zkit.checkpoint.deepspeed.layout import looks_like_deepspeed
 from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import META, load_rank_file, rank_file, read_meta, resolve_tag
+from zkit.checkpoint.files import META, rank_file
+from zkit.checkpoint.piece_source import PieceSource
+from zkit.plugins import ZkitPluginManager
 
 #: elements cast and written at a time (16 MiB of fp32): bounds the memory a consolidation needs.
 CHUNK_ELEMENTS = 1 << 22
@@ -101,6 +103,7 @@ def consolidate(
     *,
     tag: str | None = None,
     dtype: str | None = None,
+    pm: ZkitPluginManager | None = None,
 ) -> Path:
     """Write the checkpoint at ``checkpoint_dir`` as one state dict at ``out_path``; return its path.
 
@@ -108,8 +111,9 @@ def consolidate(
     ``tag`` or its ``latest`` file) or one tag's directory. ``out_path`` ends in ``.pt`` or ``.bin``
     (a ``torch.load``-able archive) or ``.safetensors``. ``dtype`` ("fp32", the default, "fp16" or
     "bf16") is the dtype of every floating-point tensor written; integer buffers keep theirs.
+    ``pm``: the plugin manager whose checkpoint formats read the checkpoint (default: a new one).
     """
-    return write_consolidated(checkpoint_dir, out_path, tag=tag, dtype=dtype).path
+    return write_consolidated(checkpoint_dir, out_path, tag=tag, dtype=dtype, pm=pm).path
 
 
 def write_consolidated(
@@ -118,13 +122,14 @@ def write_consolidated(
     *,
     tag: str | None = None,
     dtype: str | None = None,
+    pm: ZkitPluginManager | None = None,
 ) -> Consolidated:
     """:func:`consolidate`, returning what was written (tensor count, bytes)."""
     out = Path(out_path)
     suffix = out.suffix.lower()
     if suffix not in (*TORCH_SUFFIXES, SAFETENSORS_SUFFIX):
         raise ValueError(f"{out} must end in .pt, .bin or .safetensors (got {out.suffix or 'no suffix'!r})")
-    plan = plan_consolidation(checkpoint_dir, tag=tag, dtype=dtype, safetensors=suffix == SAFETENSORS_SUFFIX)
+    plan = plan_consolidation(checkpoint_dir, tag=tag, dtype=dtype, safetensors=suffix == SAFETENSORS_SUFFIX, pm=pm)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
@@ -150,7 +155,7 @@ class Plan:
     tensor's values are read from; nothing is read yet."""
 
     where: Path
-    files: "_RankFiles | _DeepSpeedFiles"
+    files: PieceSource
     sources: dict[str, list[tuple[str, int, int]]]
     entries: list[_Entry]
     checksums: dict[str, dict[str, str]] | None
@@ -158,9 +163,12 @@ class Plan:
 
 
 def plan_consolidation(
-    checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None, dtype: str | None = None, safetensors: bool = True
+    checkpoint_dir: str | os.PathLike[str], *, tag: str | None = None, dtype: str | None = None, safetensors: bool = True,
+    pm: ZkitPluginManager | None = None,
 ) -> Plan:
-    """Check the checkpoint (a zkit or a DeepSpeed one) covers every tensor once; plan the output."""
+    """Check the checkpoint (of any format providing ``pieces``: zkit's, DeepSpeed's with the drop-in)
+    covers every tensor once; plan the output. ``pm``: the plugin manager whose checkpoint formats
+    read it (default: a new one)."""
     dtype_name = "fp32" if dtype is None else dtype
     if dtype_name not in DTYPES:
         raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype_name!r}")
@@ -168,9 +176,8 @@ def plan_consolidation(
         raise CheckpointError(
             f"safetensors output is little-endian; write a .pt file on this {sys.byteorder}-endian machine"
         )
-    where = _checkpoint_directory(Path(checkpoint_dir), tag)
-    files = _source(where)
-    meta = files.meta
+    files = formats.open_pieces(pm, Path(checkpoint_dir), tag)
+    where, meta = files.where, files.meta
     if "parts" in meta:
         raise CheckpointError(
             f"{where}: the checkpoint holds a model split into model-parallel parts ({', '.join(meta['parts'])}); "
@@ -196,62 +203,6 @@ def write_file(plan: Plan, entries: list[_Entry], path: Path) -> None:
     else:
         offsets = _torch_layout(path, entries)  # records are named after the file's base name
     _fill(path, entries, offsets, plan.sources, plan.files, plan.checksums)
-
-
-def _checkpoint_directory(root: Path, tag: str | None) -> Path:
-    if tag is None and ((root / META).is_file() or looks_like_deepspeed(root)):
-        return root  # a tag directory itself
-    return root / resolve_tag(root, tag)
-
-
-class _RankFiles:
-    """A zkit checkpoint's rank files as the source of pieces; the extras are in rank 0's file."""
-
-    def __init__(self, where: Path) -> None:
-        self.where = where
-        self.meta = read_meta(where)
-        self.extras_file = rank_file(0)
-
-    def pieces(self, fname: str) -> list[dict[str, Any]]:
-        data = load_rank_file(self.where / fname)
-        pieces = data.get("pieces") if isinstance(data, dict) else None
-        if not isinstance(pieces, list):
-            raise CheckpointError(f"{self.where / fname}: checkpoint shard has no 'pieces' list")
-        return pieces
-
-    def extras(self) -> dict[str, torch.Tensor]:
-        return _module_extras(load_rank_file(self.where / rank_file(0)), self.where)
-
-
-class _DeepSpeedFiles:
-    """A DeepSpeed checkpoint's optimizer files as the source of pieces (fp32 masters, no optimizer
-    state); the extras (buffers, frozen parameters) are in its model file."""
-
-    def __init__(self, where: Path) -> None:
-        from zkit.checkpoint.deepspeed.checkpoint import open_checkpoint
-
-        self.where = where
-        self.ckpt = open_checkpoint(where)
-        files = self.ckpt.layout.layer_files or self.ckpt.layout.model_files
-        self.extras_file = files[0].name
-        self.meta = {
-            "params": {n: list(shape) for n, shape in self.ckpt.params.items()},
-            "index": self.ckpt.index,
-            "state_dict_keys": self.ckpt.state_dict_keys(),
-            "aliases": self.ckpt.aliases,
-        }
-
-    def pieces(self, fname: str) -> list[dict[str, Any]]:
-        return self.ckpt.pieces(fname, with_state=False)
-
-    def extras(self) -> dict[str, torch.Tensor]:
-        return self.ckpt.module_extras()
-
-
-def _source(where: Path) -> _RankFiles | _DeepSpeedFiles:
-    if not (where / META).is_file() and looks_like_deepspeed(where):
-        return _DeepSpeedFiles(where)
-    return _RankFiles(where)
 
 
 def _piece_sources(meta: dict[str, Any], where: Path) -> dict[str, list[tuple[str, int, int]]]:
@@ -289,13 +240,6 @@ def _piece_sources(meta: dict[str, Any], where: Path) -> dict[str, list[tuple[st
                 f"{numel} elements): elements from {covered} on are missing or out of range"
             )
     return sources
-
-
-def _module_extras(data: Any, where: Path) -> dict[str, torch.Tensor]:
-    extras = data.get("module_extras", {}) if isinstance(data, dict) else None
-    if not isinstance(extras, dict) or not all(torch.is_tensor(v) for v in extras.values()):
-        raise CheckpointError(f"{where / rank_file(0)}: 'module_extras' is not a dict of tensors")
-    return extras
 
 
 def _entries(
@@ -412,7 +356,7 @@ class _Shards:
     were read from it (its resident pages go with the old mapping) and closed after its last use.
     Callers hold a returned tensor only while writing one chunk, so a re-map does unmap."""
 
-    def __init__(self, files: _RankFiles | _DeepSpeedFiles, uses: Counter[str], checksums: dict[str, dict[str, str]] | None) -> None:
+    def __init__(self, files: PieceSource, uses: Counter[str], checksums: dict[str, dict[str, str]] | None) -> None:
         self.files = files
         self.where = files.where
         self.checksums = checksums
@@ -477,7 +421,7 @@ def _fill(
     entries: list[_Entry],
     offsets: dict[str, int],
     sources: dict[str, list[tuple[str, int, int]]],
-    files: _RankFiles | _DeepSpeedFiles,
+    files: PieceSource,
     checksums: dict[str, dict[str, str]] | None,
 ) -> None:
     # An alias sharing its canonical tensor's storage (.pt) has its offset: written once.

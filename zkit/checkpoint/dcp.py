@@ -27,11 +27,12 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from zkit.checkpoint.consolidate import (
-    DTYPES, _RankFiles, _checkpoint_directory, _piece_sources, _source,
-)
+from zkit.checkpoint import formats
+from zkit.checkpoint.consolidate import DTYPES, _piece_sources
 from zkit.checkpoint.errors import CheckpointError
 from zkit.checkpoint.optim_state import StatePlacer
+from zkit.checkpoint.piece_source import PieceSource
+from zkit.plugins import ZkitPluginManager
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.engine import Engine
@@ -50,12 +51,16 @@ class ExportedDCP:
     nbytes: int
     dtype: str
 
+    def summary(self) -> str:
+        return (f"wrote {self.directory}: {self.tensors} model tensors, optimizer state of {self.optimizer_tensors} "
+                f"parameters, {self.nbytes:,} bytes ({self.dtype})")
+
 
 def is_dcp(where: Path) -> bool:
     return (where / DCP_METADATA).is_file()
 
 
-def _full_tensors(files: Any, where: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+def _full_tensors(files: PieceSource, where: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
     """Every trainable parameter's fp32 master and optimizer state, whole, from ``files`` (the
     checkpoint's rank files, zkit's or DeepSpeed's)."""
     meta = files.meta
@@ -64,11 +69,7 @@ def _full_tensors(files: Any, where: Path) -> tuple[dict[str, torch.Tensor], dic
     masters = {n: torch.zeros(int(torch.Size(s).numel()), dtype=torch.float32, device="cpu") for n, s in shapes.items()}
     states: dict[str, dict[str, Any]] = {}
     for fname in meta["index"]:
-        if isinstance(files, _RankFiles):
-            pieces = files.pieces(fname)
-        else:
-            pieces = files.ckpt.pieces(fname, with_state=True)
-        for p in pieces:
+        for p in files.pieces(fname, with_state=True):
             name, start, end = p["name"], p["start"], p["end"]
             masters[name][start:end].copy_(p["master"].reshape(-1))
             for key, value in (p.get("state") or {}).items():
@@ -93,10 +94,12 @@ def write_dcp(
     *,
     tag: str | None = None,
     dtype: str | None = None,
+    pm: ZkitPluginManager | None = None,
 ) -> ExportedDCP:
-    """Write the checkpoint at ``checkpoint_dir`` as a DCP directory ``out_dir`` (see the module
-    docstring). ``dtype`` applies to the model's floating-point tensors; optimizer state stays
-    fp32. Runs in one process, without a process group."""
+    """Write the checkpoint at ``checkpoint_dir`` (of any format providing ``pieces``) as a DCP
+    directory ``out_dir`` (see the module docstring). ``dtype`` applies to the model's
+    floating-point tensors; optimizer state stays fp32. Runs in one process, without a process
+    group. ``pm``: the plugin manager whose checkpoint formats read it (default: a new one)."""
     import torch.distributed.checkpoint as dcp
 
     dtype_name = "fp32" if dtype is None else dtype
@@ -105,9 +108,8 @@ def write_dcp(
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not empty; export into a new directory")
-    where = _checkpoint_directory(Path(checkpoint_dir), tag)
-    files = _source(where)
-    meta = files.meta
+    files = formats.open_pieces(pm, Path(checkpoint_dir), tag)
+    where, meta = files.where, files.meta
     if "parts" in meta:
         raise CheckpointError(f"{where}: a model split into model-parallel parts; export one part's directory")
     full, states = _full_tensors(files, where)
@@ -121,7 +123,7 @@ def write_dcp(
         model[key] = value.to(target) if value.is_floating_point() else value.clone()
     optimizer = {
         "state": {name: slot for name, slot in states.items()},
-        "param_groups": [{**_group_options(files, where), "params": list(full)}],
+        "param_groups": [{**_group_options(files), "params": list(full)}],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
@@ -139,15 +141,10 @@ def write_dcp(
                        dtype=dtype_name)
 
 
-def _group_options(files: Any, where: Path) -> dict[str, Any]:
+def _group_options(files: PieceSource) -> dict[str, Any]:
     """The optimizer's hyper-parameters saved with the checkpoint (its first group's): numbers,
     strings and tuples of them, which DCP stores as they are."""
-    if isinstance(files, _RankFiles):
-        from zkit.checkpoint.files import load_rank_file, rank_file
-
-        groups = load_rank_file(where / rank_file(0)).get("param_groups", [])
-    else:
-        groups = files.ckpt.param_groups()
+    groups = files.param_groups()
     first = dict(groups[0]) if groups else {}
     return {k: v for k, v in first.items() if k != "params" and isinstance(v, (int, float, str, bool, tuple, list))}
 

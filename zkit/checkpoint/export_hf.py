@@ -24,6 +24,7 @@ import attrs
 
 from zkit.checkpoint.consolidate import _Entry, plan_consolidation, write_file
 from zkit.checkpoint.errors import CheckpointError
+from zkit.plugins import ZkitPluginManager
 
 #: ``save_pretrained``'s file names
 WEIGHTS = "model.safetensors"
@@ -44,6 +45,16 @@ class Exported:
     tied: tuple[str, ...]
     nbytes: int
     dtype: str
+
+    def summary(self) -> str:
+        return (f"wrote {self.directory}: {self.tensors} tensors in {len(self.shards)} safetensors shard(s), "
+                f"{self.nbytes:,} bytes ({self.dtype}); tied names left for the model to re-tie: "
+                f"{', '.join(self.tied) or 'none'}")
+
+
+def looks_like_hf(where: Path) -> bool:
+    """Whether ``where`` is a ``save_pretrained`` directory (``config.json`` and safetensors weights)."""
+    return (where / "config.json").is_file() and ((where / WEIGHTS).is_file() or (where / INDEX).is_file())
 
 
 def _config_files(config: str | os.PathLike[str]) -> list[tuple[Path, str]]:
@@ -82,18 +93,23 @@ def write_hf_pretrained(
     config: str | os.PathLike[str],
     tag: str | None = None,
     dtype: str | None = None,
-    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_bytes: int | None = None,
+    pm: ZkitPluginManager | None = None,
 ) -> Exported:
-    """Write the checkpoint (zkit's, or DeepSpeed's) at ``checkpoint_dir`` as a ``save_pretrained``
-    directory ``out_dir``; ``dtype`` ("fp32", "fp16", "bf16") for floating-point tensors. The
-    directory is written next to ``out_dir`` and renamed into place whole."""
+    """Write the checkpoint at ``checkpoint_dir`` (of any format providing ``pieces``: zkit's,
+    DeepSpeed's with the drop-in) as a ``save_pretrained`` directory ``out_dir``; ``dtype``
+    ("fp32", "fp16", "bf16") for floating-point tensors; ``max_shard_bytes`` (default
+    :data:`DEFAULT_MAX_SHARD_BYTES`) the largest shard. The directory is written next to
+    ``out_dir`` and renamed into place whole. ``pm``: the plugin manager whose checkpoint formats
+    read the checkpoint (default: a new one)."""
+    max_shard_bytes = DEFAULT_MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
     if max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be >= 1, got {max_shard_bytes}")
     config_files = _config_files(config)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out}: exists and is not empty; export into a new directory")
-    plan = plan_consolidation(checkpoint_dir, tag=tag, dtype=dtype, safetensors=True)
+    plan = plan_consolidation(checkpoint_dir, tag=tag, dtype=dtype, safetensors=True, pm=pm)
     kept = [e for e in plan.entries if e.name == e.canonical]  # a tied alias is the model's to re-tie
     tied = tuple(e.name for e in plan.entries if e.name != e.canonical)
     shards = _shards(kept, max_shard_bytes)

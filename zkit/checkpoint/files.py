@@ -137,6 +137,16 @@ def read_latest(latest: Path) -> str:
     return tag
 
 
+def tag_directory(path: Path, tag: str | None) -> Path | None:
+    """The directory ``load_checkpoint(path, tag)`` reads: ``path/tag``, else ``path/<the tag in
+    latest>``; ``None`` without a tag and a ``latest`` file. Unchecked (see :func:`resolve_tag`):
+    for a checkpoint format's ``detect``."""
+    if tag is not None:
+        return path / tag
+    latest = path / LATEST
+    return path / read_latest(latest) if latest.is_file() else None
+
+
 def resolve_tag(load_dir: Path, tag: str | None) -> str:
     if tag is None:
         latest = load_dir / LATEST

@@ -9,11 +9,9 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from zkit.checkpoint import rng
-from zkit.checkpoint.dcp import is_dcp
-from zkit.checkpoint.deepspeed.layout import looks_like_deepspeed
 from zkit.checkpoint.digest import VerifiedCopies
 from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import META, file_digests, load_rank_file, rank_file, read_meta, resolve_tag
+from zkit.checkpoint.files import file_digests, load_rank_file, rank_file, read_meta, resolve_tag
 from zkit.checkpoint.optim_state import StatePlacer
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
 
@@ -22,7 +20,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from zkit.partition import Piece
 
 
-def _check_params(meta: dict[str, Any], engine: "Engine", where: Path) -> None:
+def check_params(meta: dict[str, Any], engine: "Engine", where: Path) -> None:
+    """Refuse a checkpoint whose ``meta["params"]`` (name -> shape) differs from the engine's
+    trainable parameters, naming the differences."""
     saved = meta["params"]
     model = {name: list(p.shape) for name, p in engine.partitioner.named_trainable()}
     missing = sorted(set(model) - set(saved))
@@ -152,24 +152,17 @@ def fill_pieces(
 
 def load_checkpoint(
     engine: "Engine",
-    load_dir: str,
+    load_dir: str | Path,
+    tag: str | None = None,
     *,
-    tag: str | None,
     load_optimizer_states: bool,
     load_lr_scheduler_states: bool,
 ) -> tuple[str, dict]:
+    """The ``"zkit"`` checkpoint format's ``load``: ``load_dir/tag`` (``tag`` from ``latest`` when
+    None) into ``engine``; returns ``(load_dir/tag, client_state)``."""
     root = Path(load_dir)
-    if tag is None and is_dcp(root):  # PyTorch Distributed Checkpoint (torchtitan, FSDP2)
-        from zkit.checkpoint.dcp import load_dcp
-
-        return load_dcp(engine, root, load_optimizer_states=load_optimizer_states)
     tag = resolve_tag(root, tag)
     where = root / tag
-    if not (where / META).is_file() and looks_like_deepspeed(where):
-        from zkit.checkpoint.deepspeed.load import load_deepspeed_checkpoint
-
-        return load_deepspeed_checkpoint(engine, where, load_optimizer_states=load_optimizer_states,
-                                         load_lr_scheduler_states=load_lr_scheduler_states)
     meta = read_meta(where)
     part = model_part(engine.module)
     refuse_mismatch(where, meta.get("parts"), part)
@@ -179,7 +172,7 @@ def load_checkpoint(
             raise CheckpointError(f"{where}: no part {part[0]!r} in the checkpoint (it has {', '.join(meta['parts'])})")
         where = where / part[0]
         meta = read_meta(where)
-    _check_params(meta, engine, where)
+    check_params(meta, engine, where)
     if load_optimizer_states:
         _check_state_format(meta, engine, where)
 
@@ -207,7 +200,7 @@ def load_checkpoint(
     if meta["world_size"] == engine.world_size and engine.rank != 0:
         mine = read(rank_file(engine.rank))
     verified.finish()
-    _load_module_extras(engine.module, first.get("module_extras", {}), where)
+    load_module_extras(engine.module, first.get("module_extras", {}), where)
     if load_optimizer_states:
         saved_groups = first.get("param_groups", [])
         if len(saved_groups) == len(engine.optimizer.param_groups):
@@ -225,7 +218,8 @@ def load_checkpoint(
     return str(root / tag), first.get("client_state", {})
 
 
-def _load_module_extras(module: torch.nn.Module, extras: dict[str, torch.Tensor], where: Path) -> None:
+def load_module_extras(module: torch.nn.Module, extras: dict[str, torch.Tensor], where: Path) -> None:
+    """Copy saved buffers and frozen parameters into ``module``; a name it lacks is refused."""
     targets = dict(module.named_buffers())
     targets.update({n: p for n, p in module.named_parameters() if not p.requires_grad})
     for name, value in extras.items():

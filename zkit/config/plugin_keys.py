@@ -4,6 +4,17 @@ When the distribution is installed it registers a :class:`zkit.records.ConfigSec
 the key and the loader structures the value with that record's schema. When it is not, the value
 is accepted only if it asks for nothing (``null``, or an offload ``device`` of ``"none"``), and
 anything else is an error naming the distribution to install.
+
+Why a table in the kernel: a plugin that is not installed cannot declare anything, yet a DeepSpeed
+config names its keys (``zero_optimization.offload_optimizer``...) and the user should learn
+what to install rather than read "unknown key". So this is data for that case only: the
+well-known keys of the distributions zkit ships, each with the distribution to name in the error
+and the values that are fine without it. Which plugin owns a key at run time comes from the
+records: the loader structures a key by whatever installed distribution registered it
+(``ConfigSectionRecord.dist`` names it), whether or not that distribution is the one listed here.
+A plugin never needs an entry, except to place its section at a key the built-in schema holds a
+slot for (the two ``offload_*`` keys of ``zero_optimization``: DeepSpeed's layout), which the
+loader otherwise refuses as a built-in key.
 """
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ are copied straight into that copy, so no gradient shard stays on the device (wi
 accumulation the host also holds a staging copy of the same size while a batch runs). ``nvme`` at stage 1 puts the
 state on disk with ``buffer_count`` sub-group buffer sets on the host; at stages 2-3 the fp32
 master and its gradients go to disk too (laid out in sub-groups by :func:`zkit.zero.flat.pack_aligned`,
-units on 4 KiB boundaries), no gradient shard stays in memory, and the host holds two gradient
+units on the ``align_elems`` boundaries of the ``nvme`` allocator record: 4 KiB), no gradient shard stays in memory, and the host holds two gradient
 staging buffers of the largest unit (``master_grad``) and the sub-group buffer sets (master,
 gradient and state: ``optim_state``). Parameter offload exists at stage 3 only.
 
@@ -50,8 +50,6 @@ import attrs
 
 from zkit.zero.flat import Unit, pack_aligned, persistent_units, plan_units
 
-#: fp32 elements per 4 KiB: where zkit-offload's master store starts each unit
-_ALIGN_ELEMS = 1024
 
 #: purposes held only while a batch runs (not between steps)
 TRANSIENT = ("grad", "bucket", "gathered_param")
@@ -138,6 +136,7 @@ def model_state_bytes(
     stage3_max_reuse_distance: int = 1_000_000_000,
     sub_group_size: int = 1_000_000_000,
     buffer_count: int = 4,
+    align_elems: int = 1,
 ) -> StateBytes:
     """Per-purpose bytes of one rank. ``shapes``: ``(name, shape)`` of the trainable parameters in
     registration order (a tied parameter once). ``optimizer_state_bytes``: state bytes per
@@ -145,7 +144,9 @@ def model_state_bytes(
     training on the CPU, where host and device are one memory (the fp32 master is then the
     parameters even with offload). Stage 3 only: ``largest_layer`` overrides the largest released
     unit in ``gathered_param`` (default: from the shapes); the ``stage3_*`` arguments are the
-    config keys of the same names."""
+    config keys of the same names. ``align_elems``: the ``nvme`` allocator record's field of that
+    name, where its master store starts each unit (:mod:`zkit.estimate` passes the installed
+    record's)."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")
     if offload not in OFFLOADS:
@@ -201,10 +202,11 @@ def model_state_bytes(
     if offload == "nvme" and stage >= 2:
         # zkit-offload's master store: master, gradients and state in sub-group swap files
         del device["grad"]
-        _, groups = pack_aligned([u.shard for u in units], _ALIGN_ELEMS, max(int(sub_group_size), 1))
+        align = max(int(align_elems), 1)
+        _, groups = pack_aligned([u.shard for u in units], align, max(int(sub_group_size), 1))
         on_host = host if accelerator else device
         nvme.update(master=sum(groups) * 4, master_grad=sum(groups) * 4, optim_state=sum(groups) * optimizer_state_bytes)
-        on_host["master_grad"] = 2 * -(-max(u.shard for u in units) // _ALIGN_ELEMS) * _ALIGN_ELEMS * 4
+        on_host["master_grad"] = 2 * -(-max(u.shard for u in units) // align) * align * 4
         on_host["optim_state"] = max(2, buffer_count) * max(groups) * (8 + optimizer_state_bytes)
         return StateBytes(drop_zero(device), drop_zero(host), drop_zero(nvme))
     if not master_is_param:

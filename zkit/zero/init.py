@@ -25,6 +25,7 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from zkit import distributed, host_memory
+from zkit.assembly import Assembly
 from zkit.zero.flat import plan_units
 from zkit.zero.param_refresh import wait_for_parameter_refresh
 from zkit.zero.sharded_params import ACTIVE, ShardedUnit, ZeroParameter
@@ -40,6 +41,9 @@ class Init:
     """Partition parameters at module construction (see the module docstring).
 
     ``dtype`` (or a config with fp16/bf16 enabled) stores the shards in that dtype right away.
+    The communicator is the one the registry gives for this config and ``stack`` (the stack you
+    will pass to ``zkit.initialize``): a communicator that stack or an installed plugin chooses
+    carries Init's broadcasts too.
     """
 
     def __init__(
@@ -49,6 +53,7 @@ class Init:
         enabled: bool = True,
         *,
         config_dict_or_path: Any = None,
+        stack: Any = None,
     ) -> None:
         # DeepSpeed's keyword is config_dict_or_path (``config`` its older name): one or the other
         if config is not None and config_dict_or_path is not None:
@@ -56,22 +61,19 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         self.config = config if config is not None else config_dict_or_path
+        self.stack = stack
         self._patched: list[tuple[type, Any]] = []
 
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
-        from zkit.builtin.alloc_flat import DeviceAllocator
-        from zkit.builtin.comm_torch import TorchCommunicator
-
         distributed.ensure_initialized()
         host_memory.return_freed_memory()  # construction frees each module's full tensors
-        self.comm = TorchCommunicator()
-        self.device = distributed.default_device()
-        self.allocator = DeviceAllocator(self.device)
-        self.store = None
-        if self.config is not None:
-            self._use_config_allocator()
+        config = _without_placeholders(self.config)
+        self.assembly = Assembly.build(config, self.stack)
+        self.comm = self.assembly.communicator(None)
+        self.device = self.assembly.device
+        self._use_config_allocator(config is not None)
         for cls in [torch.nn.Module, *_subclasses(torch.nn.Module)]:
             self._wrap(cls)
         original_init_subclass = torch.nn.Module.__dict__.get("__init_subclass__")
@@ -87,24 +89,20 @@ class Init:
         ACTIVE.fetch, ACTIVE.after_use = self._gather, self._after_use
         return self
 
-    def _use_config_allocator(self) -> None:
-        """The dtype and the allocator the config chooses (an offload plugin's shard store)."""
-        from zkit.config import load_config
-        from zkit.plugins import get_plugin_manager
-        from zkit.stack import Stack, configure
-
-        pm = get_plugin_manager()
-        config = load_config(_without_placeholders(self.config), world_size=self.comm.world_size,
-                             sections=pm.config_sections())
-        if self.dtype is None:
+    def _use_config_allocator(self, given: bool) -> None:
+        """The dtype and the allocator a given config chooses (an offload plugin's shard store);
+        without one, or below stage 3, shards stay on the training device."""
+        config = self.assembly.config
+        if given and self.dtype is None:
             self.dtype = config.dtype
-        if int(config.zero_optimization.stage) != 3:
+        self.store = None
+        if not given or int(config.zero_optimization.stage) != 3:
+            self.allocator = self.assembly.pm.lookup("allocator", "flat").factory(self.device, config)
             return
-        _, records = configure(pm, Stack(), config)
         # The config's allocator places the shards from the start: with ``offload_param`` on the
         # host, a model larger than the device is built without ever being on it whole.
-        self.allocator = records["allocator"].factory(self.device, config)
-        self.store = self.allocator.param_shard_store(self.dtype or torch.float32)
+        self.allocator = self.assembly.allocator
+        self.store = self.assembly.param_shard_store(self.dtype or torch.float32)
 
     def _gather(self, su: ShardedUnit) -> None:
         su.wait()

@@ -114,7 +114,7 @@ def _gather_whole(su: ShardedUnit) -> int:
     """Gather ``su`` and turn its parameters (also those no module holds any more) back into
     ordinary parameters holding their full values; the unit is dropped."""
     if su.store is not None:  # out of Init's shard store (NVMe): its file goes with it
-        su.shard, su.store = su.store.take(su, su.allocator), None
+        su.shard_to_memory()
     su.wait()
     with torch.no_grad():
         values = [su.full[s.offset : s.offset + s.numel].view(s.shape).clone() for s in su.unit.slots]

@@ -282,7 +282,7 @@ class ZeroPartitioner(Partitioner):
         self.allocator.copies.synchronize()  # copies in flight may still read host buffers the step writes
         if self.master_store is not None:
             # master, gradients and state stream through host buffers sub-group by sub-group
-            self.master_store.step(self.optimizer, self.owned, grad_factor, self._publish_from_buffer)
+            self.master_store.step(self.optimizer, self.owned, grad_factor, self.publish_from_buffer)
             self._gather_params()
             return
         grads = self._master_grads()
@@ -308,15 +308,8 @@ class ZeroPartitioner(Partitioner):
             self.publish_params()
 
     def skip_step(self) -> None:
-        if self.master_store is not None and self.master_store.stepped_in_backward:
-            self.master_store.cancel_backward_step()
-            raise FloatingPointError(
-                "the loss or the gradients are NaN or infinite, and with zero_optimization.offload_optimizer."
-                "step_in_backward each sub-group stepped during backward as soon as its gradients were complete "
-                "(those before the first non-finite one), so this step cannot be skipped; training stopped. "
-                "Resume from the last checkpoint; without step_in_backward, zkit skips such steps (up to "
-                "nonfinite_steps_limit in a row)"
-            )
+        if self.master_store is not None:
+            self.master_store.skip_step()  # raises when the store applied part of the step already
         super().skip_step()
 
     def step_kernel(self) -> str:
@@ -369,8 +362,9 @@ class ZeroPartitioner(Partitioner):
         lo, hi = self.units[unit].shard_range(self.rank)
         self._published[unit] = self.allocator.copies.copy(self.param_bufs[unit][lo:hi], master)
 
-    def _publish_from_buffer(self, unit: int, master: torch.Tensor) -> None:
-        """:meth:`_publish_unit` from a buffer the master store reuses once this returns."""
+    def publish_from_buffer(self, unit: int, master: torch.Tensor) -> None:
+        """:meth:`_publish_unit` from a buffer the master store reuses once this returns (what a
+        master store's ``step`` calls for every updated unit)."""
         self._publish_unit(unit, master)
         self.allocator.copies.synchronize()
 

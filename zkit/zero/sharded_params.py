@@ -364,6 +364,16 @@ class ShardedUnit:
     def gathered(self) -> bool:
         return self.full is not None and self.handle is None
 
+    def stored_in(self, store: Any) -> None:
+        """The shard now lives in ``store`` (a :class:`~zkit.stores.ParamShardStore` that adopted
+        it): the unit keeps none in memory and reads it through the store."""
+        self.shard, self.store = None, store
+
+    def shard_to_memory(self, allocator: Any = None) -> None:
+        """Take the shard out of its store into a buffer of ``allocator`` (the unit's own by
+        default), the store forgetting it."""
+        self.shard, self.store = self.store.take(self, allocator or self.allocator), None
+
     def local_shard(self) -> torch.Tensor:
         """This rank's shard in memory: ``shard`` itself, or the store's resident copy (waits for
         its read; the store keeps it until the gather that uses it is done)."""

@@ -62,9 +62,6 @@ class Stage2(ZeroPartitioner):
             raise RuntimeError(
                 "ZeRO stage 2 reduces gradients at every micro-step; gradient reduction cannot be switched off"
             )
-        if boundary and self.master_store is not None:
-            # a store may step each sub-group as its gradients complete (zkit-offload's step_in_backward)
-            self.master_store.begin_last_backward(self.optimizer, self.owned, self._publish_from_buffer)
         return contextlib.nullcontext()
 
     def after_backward(self, boundary: bool) -> None:

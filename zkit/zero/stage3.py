@@ -125,7 +125,7 @@ class Stage3(Stage2):
         for su in self.sharded:
             if su.store is not None and su.store is not self.param_store:
                 # built by zkit.zero.Init into a store this partitioner does not use: into memory
-                su.shard, su.store = su.store.take(su, self.allocator), None
+                su.shard_to_memory(self.allocator)
         for su, m in zip(self.sharded, self.master):
             # GatheredParameters edits reach the master through ``su.master.copy_``
             if self.master_store is not None:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import deepspeed  # noqa: F401 - the drop-in's alias
-from zkit.compat.deepspeed.refused import REFUSED_MODULES, REFUSED_NAMES, FeatureNotProvided, refusal_for
+from deepspeed.refused import REFUSED_MODULES, REFUSED_NAMES, FeatureNotProvided, refusal_for
 from zkit_deepspeed.coverage import ENTRIES, SOURCES, Status, resolve, write
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "deepspeed-coverage.md"

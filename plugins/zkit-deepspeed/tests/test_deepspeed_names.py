@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import deepspeed  # noqa: F401 - the drop-in's alias
-from zkit.compat.deepspeed.refused import FeatureNotProvided
+from deepspeed.refused import FeatureNotProvided
 
 HERE = Path(__file__).resolve().parent
 PEER_PYTHON = HERE.parents[2] / ".venv-peers" / "bin" / "python"

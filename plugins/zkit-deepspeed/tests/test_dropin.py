@@ -1,6 +1,6 @@
-"""The drop-in distribution: its metadata answers for ``deepspeed``, ``deepspeed.X`` is
-``zkit.compat.deepspeed.X`` (the same module objects), and ``zkit report`` says which
-``deepspeed`` is active."""
+"""The drop-in distribution: its metadata answers for ``deepspeed``, ``deepspeed.X`` is its own
+module (refused ones raise, optional plugins are named when missing), and ``zkit report`` says
+which ``deepspeed`` is active."""
 from __future__ import annotations
 
 import importlib
@@ -13,8 +13,10 @@ import textwrap
 
 import pytest
 
-from zkit_deepspeed import alias
-from zkit_deepspeed import plugin
+from deepspeed.refused import FeatureNotProvided
+from zkit_deepspeed import plugin, refusing_finder
+from zkit_deepspeed.active import dropin_init
+from zkit_deepspeed.optional import MissingPlugin
 
 
 def test_metadata_answers_for_deepspeed():
@@ -26,67 +28,66 @@ def test_metadata_answers_for_deepspeed():
     assert importlib.metadata.metadata("deepspeed")["Name"] == "deepspeed"
 
 
-@pytest.fixture
-def fake_tree(tmp_path, monkeypatch):
-    """A package ``fakeimpl`` (a package, a subpackage, a module) aliased as ``fakealias``."""
-    root = tmp_path / "fakeimpl"
-    (root / "sub").mkdir(parents=True)
-    (root / "__init__.py").write_text("STATE = []\n")
-    (root / "sub" / "__init__.py").write_text("")
-    (root / "sub" / "leaf.py").write_text("def f():\n    return 'leaf'\n")
-    (root / "mod.py").write_text("from fakeimpl.sub import leaf\ndef g():\n    return leaf.f()\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    before = list(sys.meta_path)
-    yield
-    sys.meta_path[:] = before
-    for name in [n for n in sys.modules if n.split(".")[0] in ("fakeimpl", "fakealias")]:
-        del sys.modules[name]
-
-
-def test_alias_gives_the_same_module_objects(fake_tree):
-    package = alias.install("fakealias", "fakeimpl")
-    import fakealias
-    import fakealias.sub.leaf
-    from fakealias import mod
-    from fakealias.sub import leaf
-
-    import fakeimpl
-
-    assert fakealias is package is fakeimpl
-    assert leaf is fakealias.sub.leaf is sys.modules["fakeimpl.sub.leaf"]
-    assert mod is sys.modules["fakeimpl.mod"] and mod.__name__ == "fakeimpl.mod"
-    # a patch through one name is seen through the other, as transformers' patches must be
-    leaf.f = lambda: "patched"
-    assert importlib.import_module("fakeimpl.mod").g() == "patched"
-    # installing twice adds no second finder
-    alias.install("fakealias", "fakeimpl")
-    assert sum(isinstance(f, alias.AliasFinder) and f.alias == "fakealias" for f in sys.meta_path) == 1
-
-
-def test_alias_missing_names_are_ordinary_import_errors(fake_tree):
-    alias.install("fakealias", "fakeimpl")
-    # feature probes must answer None / ImportError, as on a DeepSpeed built without an extension
-    assert importlib.util.find_spec("fakealias.absent") is None
-    with pytest.raises(ModuleNotFoundError, match="No module named 'fakealias.absent'"):
-        importlib.import_module("fakealias.absent")
-    with pytest.raises(ModuleNotFoundError, match="'fakealias.mod' is not a package"):
-        importlib.import_module("fakealias.mod.inner")
-    assert "fakealias.absent" not in sys.modules
-
-
-def test_alias_without_target_says_what_to_do():
-    with pytest.raises(ImportError, match=r"the fakealias2 drop-in needs no_such_pkg_zkit\.compat.*"
-                                          r"`pip uninstall fakealias2` to use a real DeepSpeed"):
-        alias.install("fakealias2", "no_such_pkg_zkit.compat")
-
-
-def test_import_deepspeed_is_zkit_compat():
-    compat = pytest.importorskip("zkit.compat.deepspeed")
+def test_deepspeed_is_the_distributions_own_package():
     import deepspeed
+    import deepspeed.runtime.zero.partition_parameters as pp
 
-    assert deepspeed is compat
-    assert importlib.import_module("deepspeed.accelerator") is importlib.import_module(
-        "zkit.compat.deepspeed.accelerator")
+    # one module object per name: transformers' patch of a deepspeed function is what zkit's code sees
+    assert deepspeed.__file__ == str(dropin_init())
+    assert sys.modules["deepspeed.runtime.zero.partition_parameters"] is pp
+    assert deepspeed.zero.Init is pp.Init
+    assert not any(name.startswith("zkit.compat") for name in sys.modules)
+
+
+def test_missing_names_are_ordinary_import_errors():
+    import deepspeed  # noqa: F401
+
+    # feature probes must answer None / ImportError, as on a DeepSpeed built without an extension
+    assert importlib.util.find_spec("deepspeed.absent") is None
+    with pytest.raises(ModuleNotFoundError, match="No module named 'deepspeed.absent'"):
+        importlib.import_module("deepspeed.absent")
+    with pytest.raises(ModuleNotFoundError, match="'deepspeed.constants' is not a package"):
+        importlib.import_module("deepspeed.constants.inner")
+    assert "deepspeed.absent" not in sys.modules
+
+
+def test_refused_module_raises_on_import_and_is_absent_to_probes():
+    import deepspeed  # noqa: F401
+
+    assert importlib.util.find_spec("deepspeed.inference") is None
+    with pytest.raises(FeatureNotProvided, match=r"deepspeed\.inference \(DeepSpeed-Inference.*\) is not provided by zkit"):
+        importlib.import_module("deepspeed.inference")
+    # installing twice adds no second finder
+    refusing_finder.install()
+    assert sum(isinstance(f, refusing_finder.RefusingFinder) for f in sys.meta_path) == 1
+
+
+@pytest.mark.parametrize("module, needs, extra", [
+    ("deepspeed.pipe", "zkit-pipeline", "pipeline"),
+    ("deepspeed.ops.adam.cpu_adam", "zkit-offload", "offload"),
+    ("deepspeed.ops.lion", "zkit-offload", "offload"),
+    ("deepspeed.ops.adagrad", "zkit-offload", "offload"),
+    ("deepspeed.ops.sparse_attention", "zkit-sparse", "sparse"),
+])
+def test_without_an_optional_plugin_the_import_names_the_distribution(monkeypatch, module, needs, extra):
+    import deepspeed  # noqa: F401
+
+    monkeypatch.setitem(sys.modules, needs.replace("-", "_"), None)  # as if not installed
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    with pytest.raises(MissingPlugin, match=(
+            rf"^deepspeed\.\S+ needs {needs}, which is not installed: pip install {needs} "
+            rf"\(or the drop-in with its extra, pip install 'deepspeed\[{extra}\]'\)$")):
+        importlib.import_module(module)
+
+
+def test_without_zkit_offload_import_deepspeed_works_and_cpu_adam_names_it(monkeypatch):
+    import deepspeed.ops.adam
+
+    monkeypatch.setitem(sys.modules, "zkit_offload", None)
+    monkeypatch.delitem(sys.modules, "deepspeed.ops.adam.cpu_adam", raising=False)
+    assert deepspeed.ops.adam.FusedAdam is not None
+    with pytest.raises(ImportError, match=r"deepspeed\.ops\.adam\.DeepSpeedCPUAdam needs zkit-offload"):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam  # noqa: F401
 
 
 def test_report_names_the_dropin():

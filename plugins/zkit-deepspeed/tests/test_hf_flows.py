@@ -11,11 +11,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from background import Command
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -38,15 +38,23 @@ RTOL = 1e-4
 TIMEOUT = 900
 
 
-def _run(command: list[str], out: Path, env: dict[str, str], flows: list[str]) -> dict:
+def _command(command: list[str], out: Path, env: dict[str, str], flows: list[str]) -> Command:
     # The working directory is on a ``python -m`` process's path: no directory in it may be named
     # like a package (an output directory "zkit" or "deepspeed" would shadow the real one).
-    proc = subprocess.run(command + [str(HERE / "hf_flows.py"), "--out", str(out), *flows], env=env,
-                          capture_output=True, text=True, timeout=TIMEOUT, cwd=out.parent)
-    if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        raise AssertionError(f"{' '.join(command[:4])} ... failed with exit code {proc.returncode}:\n{tail}")
-    return json.loads((out / "results.json").read_text())
+    return Command(command + [str(HERE / "hf_flows.py"), "--out", str(out), *flows], env=env, cwd=str(out.parent),
+                   timeout=TIMEOUT)
+
+
+def _results(done: list, root: Path, side: str) -> dict:
+    """The flows' results and the launched flow's, from the two runs ``done`` (``root/out-<side>``
+    and ``root/out-<side>-launch``)."""
+    for proc in done:
+        if proc.returncode != 0:
+            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+            raise AssertionError(f"{' '.join(proc.args[:4])} ... failed with exit code {proc.returncode}:\n{tail}")
+    results = json.loads((root / f"out-{side}" / "results.json").read_text())
+    launched = json.loads((root / f"out-{side}-launch" / "results.json").read_text())
+    return {**results, LAUNCHED: launched[LAUNCHED]}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -56,39 +64,45 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-@pytest.fixture(scope="module")
-def zkit_results(tmp_path_factory) -> dict:
-    root = tmp_path_factory.mktemp("hf")
-    results = _run([sys.executable, "-m", "zkit.cli", "run", "--nproc", "2"], root / "out-zkit", _env(), FLOWS)
-    launched = _run([sys.executable, "-m", "accelerate.commands.launch", *LAUNCH_FLAGS], root / "out-zkit-launch",
-                    _env(), [LAUNCHED])
-    return {**results, LAUNCHED: launched[LAUNCHED]}
+def _zkit_side(root: Path) -> list[Command]:
+    return [_command([sys.executable, "-m", "zkit.cli", "run", "--nproc", "2"], root / "out-zkit", _env(), FLOWS),
+            _command([sys.executable, "-m", "accelerate.commands.launch", *LAUNCH_FLAGS], root / "out-zkit-launch",
+                     _env(), [LAUNCHED])]
 
 
-def _peer_deepspeed() -> str | None:
-    """Why the peer environment cannot give a reference, or None when it can."""
+def _peer_side(root: Path) -> list[Command]:
+    """The probe (its failure is why there is no reference), then the two runs."""
     if not PEER_PYTHON.exists():
-        return f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist"
-    probe = subprocess.run([str(PEER_PYTHON), "-c", "import deepspeed, transformers, accelerate"],
-                           env=_env(DS_ACCELERATOR="cpu"), capture_output=True, text=True, timeout=300)
+        return []
+    env = _env(DS_ACCELERATOR="cpu")
+    probe = Command([str(PEER_PYTHON), "-c", "import deepspeed, transformers, accelerate"], env=env, timeout=300)
+    return [probe,
+            _command([str(PEER_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2"], root / "out-deepspeed",
+                     env, FLOWS),
+            _command([str(PEER_PYTHON), "-m", "accelerate.commands.launch", *LAUNCH_FLAGS],
+                     root / "out-deepspeed-launch", env, [LAUNCHED])]
+
+
+#: run beside the other tests from the session's start (tests/background.py)
+BACKGROUND = {"zkit_results": _zkit_side, "peer_results": _peer_side}
+
+
+@pytest.fixture(scope="module")
+def zkit_results(background, request) -> dict:
+    root, done = background.wait(request)
+    return _results(done, root, "zkit")
+
+
+@pytest.fixture(scope="module")
+def peer_results(background, request) -> dict:
+    if not PEER_PYTHON.exists():
+        pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist")
+    root, done = background.wait(request)
+    probe = done[0]
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
-        return f"no real DeepSpeed to compare with: {PEER_PYTHON} cannot import deepspeed ({last})"
-    return None
-
-
-@pytest.fixture(scope="module")
-def peer_results(tmp_path_factory) -> dict:
-    reason = _peer_deepspeed()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("hf")
-    env = _env(DS_ACCELERATOR="cpu")
-    results = _run([str(PEER_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2"], root / "out-deepspeed",
-                   env, FLOWS)
-    launched = _run([str(PEER_PYTHON), "-m", "accelerate.commands.launch", *LAUNCH_FLAGS], root / "out-deepspeed-launch",
-                    env, [LAUNCHED])
-    return {**results, LAUNCHED: launched[LAUNCHED]}
+        pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} cannot import deepspeed ({last})")
+    return _results(done[1:], root, "deepspeed")
 
 
 def test_dropin_ran(zkit_results):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from zkit.compat.deepspeed.launcher import runner
+from deepspeed.launcher import runner
 
 SCRIPT = textwrap.dedent("""
     import argparse, os, sys

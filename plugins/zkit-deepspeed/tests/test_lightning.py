@@ -8,11 +8,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from background import Command
 
 pytest.importorskip("lightning", reason="lightning is not installed (pip install lightning)")
 
@@ -27,37 +27,42 @@ DEEPSPEED_ONLY = {"buffer_names", "checkpoint_parallel_dimensions", "data_sample
                   "frozen_param_fragments", "frozen_param_shapes", "param_shapes", "random_ltd", "shared_params"}
 
 
-def _start(python: str, out: Path) -> subprocess.Popen:
+def _command(python: str, out: Path) -> Command:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", DS_ACCELERATOR="cpu")
     # cwd: a directory with nothing named like a package in it
-    return subprocess.Popen([python, str(HERE / "lightning_flow.py"), "--out", str(out), *FLOWS], env=env,
-                            cwd=out.parent, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return Command([python, str(HERE / "lightning_flow.py"), "--out", str(out), *FLOWS], env=env, cwd=str(out.parent),
+                   timeout=600)
 
 
-def _finish(proc: subprocess.Popen, out: Path) -> dict:
-    text, _ = proc.communicate(timeout=600)
+def _finish(proc, out: Path) -> dict:
     if proc.returncode != 0:
+        text = proc.stdout + proc.stderr
         raise AssertionError(f"lightning_flow.py failed ({proc.returncode}):\n" + "\n".join(text.splitlines()[-40:]))
     return json.loads((out / "results.json").read_text())
 
 
-def _peer_missing() -> str | None:
+def _commands(root: Path) -> list[Command]:
+    """zkit's run, then the probe of the peer environment, then DeepSpeed's run."""
     if not PEER_PYTHON.exists():
-        return f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist"
-    probe = subprocess.run([str(PEER_PYTHON), "-c", "import lightning, deepspeed"], capture_output=True, text=True,
-                           env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
-    if probe.returncode != 0:
-        return f"{PEER_PYTHON} cannot import lightning and deepspeed (add lightning with `make peers`)"
-    return None
+        return [_command(sys.executable, root / "zkit")]
+    probe = Command([str(PEER_PYTHON), "-c", "import lightning, deepspeed"],
+                    env={**os.environ, "DS_ACCELERATOR": "cpu"}, timeout=300)
+    return [_command(sys.executable, root / "zkit"), probe, _command(str(PEER_PYTHON), root / "deepspeed")]
+
+
+#: run beside the other tests from the session's start (tests/background.py)
+BACKGROUND = {"runs": _commands}
+PEER_MISSING = f"{PEER_PYTHON} cannot import lightning and deepspeed (add lightning with `make peers`)"
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> tuple[dict, dict | None]:
-    root = tmp_path_factory.mktemp("lightning")
-    ours = _start(sys.executable, root / "zkit")
-    peer = None if _peer_missing() else _start(str(PEER_PYTHON), root / "deepspeed")  # side by side: 2 cores
-    return _finish(ours, root / "zkit"), (None if peer is None else _finish(peer, root / "deepspeed"))
+def runs(background, request) -> tuple[dict, dict | None]:
+    root, done = background.wait(request)
+    ours = _finish(done[0], root / "zkit")
+    if len(done) < 3:  # no peer environment, or it cannot import both
+        return ours, None
+    return ours, _finish(done[2], root / "deepspeed")
 
 
 def _close(a: list, b: list, rtol: float) -> bool:
@@ -81,7 +86,8 @@ def test_lightning_trains_resumes_and_converts(runs, flow):
 @pytest.mark.parametrize("flow", FLOWS)
 def test_equal_to_real_deepspeed(runs, flow):
     if runs[1] is None:
-        pytest.skip(_peer_missing())
+        pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist" if not PEER_PYTHON.exists()
+                    else PEER_MISSING)
     ours, theirs = runs[0][flow], runs[1][flow]
     rtol = RTOL.get(flow, 0.0)
     assert _close(ours["losses"], theirs["losses"], rtol)

@@ -1,13 +1,13 @@
 """The DeepSpeed names transformers and Accelerate use beyond a training script's, with
-DeepSpeed's semantics (zkit.compat.deepspeed, reached as ``deepspeed.X`` through the drop-in)."""
+DeepSpeed's semantics (the drop-in's ``deepspeed.X``)."""
 from __future__ import annotations
 
 from collections import OrderedDict
 
 import torch
 
-from zkit.compat.deepspeed.checkpoint.utils import clone_tensors_for_torch_save
-from zkit.compat.deepspeed.launcher import runner
+from deepspeed.checkpoint.utils import clone_tensors_for_torch_save
+from deepspeed.launcher import runner
 
 
 def test_clone_tensors_for_torch_save_copies_every_tensor_off_its_storage():

@@ -270,6 +270,7 @@ def ds_tensor_of_stored_shards(nvme_root: str) -> dict:
 def nvme_memory_vs_estimate(nvme_root: str) -> dict:
     """``engine.memory()`` of NVMe-offloaded stages 2 and 3 after a step, next to the estimator's
     figures for the same model and config."""
+    from zkit.estimate import store_align_elems
     from zkit.estimator import model_state_bytes
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
@@ -284,7 +285,8 @@ def nvme_memory_vs_estimate(nvme_root: str) -> dict:
         est = model_state_bytes(shapes, stage=stage, world_size=world, dtype="fp32", offload="nvme", rank=rank,
                                 reduce_bucket_size=zero["reduce_bucket_size"], overlap_comm=zero["overlap_comm"],
                                 accelerator=False, stage3_param_persistence_threshold=0,
-                                sub_group_size=zero["sub_group_size"], buffer_count=2)
+                                sub_group_size=zero["sub_group_size"], buffer_count=2,
+                                align_elems=store_align_elems("nvme"))
         out[stage] = {"memory": engine.memory(), "device": est.device, "nvme": est.nvme}
         engine.close()
     return out

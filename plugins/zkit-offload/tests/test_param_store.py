@@ -30,6 +30,12 @@ class FakeUnit:
         self.store = None
         self.gathering = False
 
+    def stored_in(self, store) -> None:
+        self.shard, self.store = None, store
+
+    def shard_to_memory(self, allocator=None) -> None:
+        self.shard, self.store = self.store.take(self, allocator), None
+
     def wait(self) -> None:
         if self.gathering:
             self.gathering = False

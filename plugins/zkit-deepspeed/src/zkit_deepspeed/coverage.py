@@ -4,8 +4,8 @@ The names are those real code imports or reaches, found by ``tools/scan_deepspee
 DeepSpeed's own CPU-capable unit tests, DeepSpeedExamples, and the DeepSpeed integrations of
 transformers, Accelerate and Lightning (``Entry.sources``). Each is either *provided*, with
 DeepSpeed's behaviour, or *refused*: resolving it raises
-:class:`zkit.compat.deepspeed.refused.FeatureNotProvided`, whose message names the feature and
-what to use instead (``zkit.compat.deepspeed.refused`` holds the messages). A name outside the
+:class:`deepspeed.refused.FeatureNotProvided`, whose message names the feature and
+what to use instead (``deepspeed.refused`` holds the messages). A name outside the
 inventory keeps Python's usual errors, so feature probes of unknown names answer "absent".
 
 ``python -m zkit_deepspeed.coverage_page > docs/deepspeed-coverage.md`` writes the page;

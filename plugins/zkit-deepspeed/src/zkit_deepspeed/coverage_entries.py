@@ -1,7 +1,7 @@
 """The coverage inventory's entries (see :mod:`zkit_deepspeed.coverage`), sorted by name.
 
 Written first from ``tools/scan_deepspeed_names.py``'s candidates, then kept by hand: a new name
-gets an entry here and its behaviour in ``zkit.compat.deepspeed``."""
+gets an entry here and its behaviour in the ``deepspeed`` package."""
 
 from zkit_deepspeed.coverage_model import _e, _p, _r
 

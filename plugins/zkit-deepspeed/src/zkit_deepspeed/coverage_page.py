@@ -42,7 +42,7 @@ def _cell(text: str) -> str:
 
 
 def write(out: TextIO) -> None:
-    from zkit.compat.deepspeed.refused import refusal_for
+    from deepspeed.refused import refusal_for
     from zkit_deepspeed.coverage import ENTRIES, EXCLUDED, SOURCES, Status
     from zkit_deepspeed.unit_tests import (CPU_CAPABLE_FILES, DEEPSPEED_RESULTS, DIFFERENCES, NOT_MEASURED,
                                            ZKIT_RESULTS)

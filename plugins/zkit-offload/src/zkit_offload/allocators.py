@@ -184,6 +184,12 @@ class NVMeAllocator(HostAllocator):
         self._master_store = SwappedMasterStore(self, shard_sizes, self.sub_group_size)
         return self._master_store
 
+    @property
+    def master_store_made(self) -> SwappedMasterStore | None:
+        """The store :meth:`master_store` handed a partitioner, if any (the plugin's hooks reach it
+        here: the kernel's store protocol says nothing of stepping in backward)."""
+        return self._master_store
+
     def check_optimizer(self, optimizer: torch.optim.Optimizer, name: str) -> None:
         """With the optimizer state on NVMe, the optimizer must step sub-group by sub-group between
         swaps: only zkit-offload's fused CPU optimizers can."""

@@ -28,6 +28,8 @@ import torch
 
 #: Memory/offset/length alignment used for direct I/O (covers 512-byte and 4 KiB devices).
 ALIGN = 4096
+#: fp32 elements per :data:`ALIGN` block: where the NVMe master store starts every unit
+ALIGN_ELEMS = ALIGN // 4
 #: the huge page size asked for (x86-64 and arm64 with 4 KiB base pages)
 HUGE_PAGE = 2 << 20
 #: buffers from this size up get a mapping of their own on huge pages; below it, the rounding up

@@ -100,7 +100,7 @@ class NVMeParamStore:
             if self._in_cpu + n <= self.max_in_cpu:
                 self._in_cpu += n
                 if su.store is not None:
-                    su.shard, su.store = su.store.take(su, self.allocator), None
+                    su.shard_to_memory(self.allocator)
             else:
                 swapped.append(su)
         largest = max(swapped, key=lambda su: su.unit.shard, default=None)
@@ -127,7 +127,7 @@ class NVMeParamStore:
                 su.store.take(su, into=view)
                 self.swapper.write(key, view)
                 self.nvme_bytes += view.numel() * view.element_size()
-                su.store = self
+                su.stored_in(self)
                 continue
             shard = su.shard.contiguous() if su.shard.device.type == "cpu" else su.shard.cpu()
             writes.append((su, shard, self.swapper.swap_out(key, shard)))
@@ -135,7 +135,7 @@ class NVMeParamStore:
             handle.wait()
             self.allocator.release(su.shard, "param")
             self.nvme_bytes += shard.numel() * shard.element_size()
-            su.shard, su.store = None, self
+            su.stored_in(self)
         writes.clear()
         shard = None  # noqa: F841 - the last shard's memory too
         trim()  # the shards' memory, back to the OS

@@ -10,6 +10,7 @@ from typing import Any
 import zkit
 from zkit.records import AllocatorRecord, ConfigSectionRecord, OptimizerRecord
 
+from zkit_offload.io_memory import ALIGN_ELEMS
 from zkit_offload.config import (AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_step_in_backward,
                                  check_supported)
 
@@ -92,7 +93,7 @@ def zkit_register_optimizers():
 def zkit_register_allocators():
     yield AllocatorRecord(name="host", factory=_host_allocator,
                           description="master weights, their gradients and optimizer state in (pinned) host memory")
-    yield AllocatorRecord(name="nvme", factory=_nvme_allocator,
+    yield AllocatorRecord(name="nvme", factory=_nvme_allocator, align_elems=ALIGN_ELEMS,
                           description="host allocator with optimizer state and/or stage-3 parameter shards "
                                       "swapped to NVMe files")
 
@@ -158,6 +159,17 @@ def zkit_configure(config):
         config.section(OffloadParamConfig.SECTION),
         getattr(zero, "stage", None),
     )
+
+
+@zkit.hookimpl
+def zkit_before_backward(engine, boundary):
+    """``offload_optimizer.step_in_backward``: before the backward that ends a batch, the NVMe
+    master store starts stepping each sub-group as its gradients complete
+    (:mod:`zkit_offload.backward_step`); the partitioner's ``step`` then finishes that step."""
+    store = getattr(getattr(engine, "allocator", None), "master_store_made", None)
+    if boundary and store is not None and store.step_in_backward:
+        partitioner = engine.partitioner
+        store.begin_last_backward(partitioner.optimizer, partitioner.owned, partitioner.publish_from_buffer)
 
 
 @zkit.hookimpl

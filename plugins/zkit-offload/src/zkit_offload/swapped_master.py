@@ -16,8 +16,9 @@ micro-step, converts it to fp32 in one of two staging buffers (adding what the f
 earlier micro-step of the batch wrote the unit), notes its squared norm for clipping and the
 overflow check, and writes it back asynchronously while backward goes on.
 
-**Step in backward.** With ``offload_optimizer.step_in_backward``, the partitioner calls
-:meth:`SwappedMasterStore.begin_last_backward` before the backward that ends a batch, and each
+**Step in backward.** With ``offload_optimizer.step_in_backward``, the plugin's
+``zkit_before_backward`` hook calls :meth:`SwappedMasterStore.begin_last_backward` before the
+backward that ends a batch, and each
 sub-group steps as soon as its gradients are complete (:mod:`zkit_offload.backward_step`): the
 gradients of that micro-step stay in host buffers instead of going to the disk.
 
@@ -37,6 +38,7 @@ import torch
 from zkit.zero.flat import pack_aligned
 from zkit.host_memory import trim
 from zkit_offload.backward_step import BackwardStep
+from zkit_offload.io_memory import ALIGN_ELEMS  # noqa: F401 - every unit starts on such a block
 from zkit_offload.pipeline import subgroup_key
 from zkit_offload.swap import ALIGN, SwapHandle, _round_up, aligned_empty
 from zkit_offload.swapped_state import SubGroupPlan
@@ -44,8 +46,6 @@ from zkit_offload.swapped_state import SubGroupPlan
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.allocators import NVMeAllocator
 
-#: fp32 elements per alignment block: every unit starts on one
-ALIGN_ELEMS = ALIGN // 4
 
 
 def placeholder(shape: torch.Size | Sequence[int]) -> torch.Tensor:
@@ -164,6 +164,19 @@ class SwappedMasterStore:
     def stepped_in_backward(self) -> bool:
         """Whether this batch's step began during backward (so it cannot be skipped any more)."""
         return self._backward_step is not None
+
+    def skip_step(self) -> None:
+        """The batch is skipped (non-finite loss or gradients): impossible once sub-groups stepped
+        in backward; the step begun is dropped and the job stops saying why."""
+        if self.stepped_in_backward:
+            self.cancel_backward_step()
+            raise FloatingPointError(
+                "the loss or the gradients are NaN or infinite, and with zero_optimization.offload_optimizer."
+                "step_in_backward each sub-group stepped during backward as soon as its gradients were complete "
+                "(those before the first non-finite one), so this step cannot be skipped; training stopped. "
+                "Resume from the last checkpoint; without step_in_backward, zkit skips such steps (up to "
+                "nonfinite_steps_limit in a row)"
+            )
 
     def cancel_backward_step(self) -> None:
         """Forget the step begun in backward, once its I/O has finished (the job is stopping)."""

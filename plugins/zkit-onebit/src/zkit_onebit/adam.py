@@ -24,9 +24,10 @@ In every stage, an element whose variance is exactly zero at the freeze step (it
 gradient during warm-up) stays put afterwards: with a denominator of ``eps`` any later gradient
 would move it by ``m / eps``, and, exchanged, would set the compression scale of its whole chunk.
 
-The engine hands the optimizer its communicator: a class attribute ``wants_communicator = True``
-asks the engine to set ``optimizer.comm`` after building it, and the plugin's
-``zkit_engine_setup`` calls :meth:`OneBitAdam.attach` with the partitioner.
+The engine hands the optimizer its communicator: the optimizer record says
+``needs_communicator=True``, so the factory receives ``comm=`` (the engine's data-parallel
+communicator), and the plugin's ``zkit_engine_setup`` calls :meth:`OneBitAdam.attach` with the
+partitioner.
 """
 from __future__ import annotations
 
@@ -60,9 +61,6 @@ class OneBitAdam(torch.optim.Optimizer):
     group of that backend over the same ranks carries the compressed momenta). ``amsgrad=True``
     and ``max_grad_norm > 0`` are refused (clip with the engine's ``gradient_clipping``).
     """
-
-    #: Asks the engine to set ``self.comm`` (a zkit Communicator) right after construction.
-    wants_communicator = True
 
     def __init__(
         self,
@@ -183,17 +181,17 @@ class OneBitAdam(torch.optim.Optimizer):
         if comm is None:
             if dist.is_initialized() and dist.get_world_size() > 1:
                 raise RuntimeError(
-                    f"{type(self).__name__} has no communicator for its compressed exchange: the engine sets "
-                    f"optimizer.comm; outside the engine pass comm= (a zkit Communicator)"
+                    f"{type(self).__name__} has no communicator for its compressed exchange: the engine passes "
+                    f"comm= to its record's factory; outside the engine pass comm= (a zkit Communicator)"
                 )
             return None
         name = self.comm_backend_name
         if name is not None and name != getattr(comm, "backend", name) and comm.world_size > 1:
-            from zkit.builtin.comm_torch import TorchCommunicator
-
-            group = getattr(getattr(comm, "transport", comm), "group", None)
+            # a sibling of the engine's transport over the same ranks, on the backend asked for
+            transport = getattr(comm, "transport", comm)
+            group = getattr(transport, "group", None)
             ranks = list(range(dist.get_world_size())) if group is None else dist.get_process_group_ranks(group)
-            comm = TorchCommunicator(dist.new_group(ranks=ranks, backend=name))
+            comm = transport.subgroup(ranks, backend=name)
         self._momentum_comm = comm
         return comm
 
@@ -455,9 +453,10 @@ ONEBIT_ADAM_PARAMS = (
 )
 
 
-def make_onebit_adam(param_groups: list[dict[str, Any]], **params: Any) -> OneBitAdam:
-    """Factory of the ``onebitadam`` optimizer record: checks the config's parameter names."""
+def make_onebit_adam(param_groups: list[dict[str, Any]], comm: Communicator | None = None, **params: Any) -> OneBitAdam:
+    """Factory of the ``onebitadam`` optimizer record: checks the config's parameter names;
+    ``comm`` is the engine's (the record needs a communicator)."""
     check_names("OneBitAdam", params, ONEBIT_ADAM_PARAMS)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
-    return OneBitAdam(param_groups, **params)
+    return OneBitAdam(param_groups, comm=comm, **params)

@@ -196,6 +196,14 @@ class OneBitCommunicator(Communicator):
         self.account("recv", 0)
         self.transport.recv(tensor, src)
 
+    def isend(self, tensor, dst):
+        self.account("send", _nbytes(tensor))
+        return self.transport.isend(tensor, dst)
+
+    def irecv(self, tensor, src):
+        self.account("recv", 0)
+        return self.transport.irecv(tensor, src)
+
     def barrier(self):
         self.transport.barrier()
 
@@ -217,11 +225,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def make_onebit_communicator(group: Any = None, config: Any = None) -> OneBitCommunicator:
-    """Factory of the ``"onebit"`` communicator record: torch.distributed transport over
-    ``group``; packets are staged through host memory when gloo carries CUDA tensors."""
-    from zkit.builtin.comm_torch import TorchCommunicator
-
-    transport = TorchCommunicator(group, config)
-    host = transport.backend == "gloo" and torch.cuda.is_available()
+def make_onebit_communicator(group: Any = None, config: Any = None, *, transport: Communicator) -> OneBitCommunicator:
+    """Factory of the ``"onebit"`` communicator record (``wraps="torch"``): 1-bit compression over
+    ``transport``, the assembly's torch.distributed communicator of ``group``; packets are staged
+    through host memory when gloo carries CUDA tensors."""
+    host = getattr(transport, "backend", None) == "gloo" and torch.cuda.is_available()
     return OneBitCommunicator(transport, stage_on_host=host)

@@ -16,6 +16,7 @@ def zkit_register_communicators():
     yield CommunicatorRecord(
         name="onebit",
         factory=make_onebit_communicator,
+        wraps="torch",
         description="1-bit error-feedback compressed all-reduce/reduce-scatter over torch.distributed",
         aliases=("1bit", "onebit_compressed"),
     )
@@ -32,6 +33,7 @@ def zkit_register_optimizers():
         elementwise=True,
         devices=("cpu", "cuda"),
         communicator="onebit",  # ZeRO 1-2 reduce gradients through it, 1-bit after freeze_step
+        needs_communicator=True,  # the compressed momenta of ZeRO 0
     )
     yield OptimizerRecord(
         name="zerooneadam",
@@ -41,6 +43,7 @@ def zkit_register_optimizers():
         state_names=("exp_avg", "exp_avg_sq", "sync_params"),
         elementwise=True,
         devices=("cpu", "cuda"),
+        needs_communicator=True,
     )
 
 
@@ -71,9 +74,7 @@ def zkit_engine_setup(engine):
     opt = onebit_optimizer(engine)
     if opt is None:
         return
-    if opt.comm is None:
-        opt.comm = _engine_comm(engine)
-    opt.attach(engine.partitioner)
+    opt.attach(engine.partitioner)  # its communicator came through the record's factory
 
 
 @zkit.hookimpl(wrapper=True, trylast=True)

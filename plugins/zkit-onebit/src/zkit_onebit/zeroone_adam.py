@@ -294,9 +294,10 @@ ZERO_ONE_ADAM_PARAMS = (
 )
 
 
-def make_zero_one_adam(param_groups: list[dict[str, Any]], **params: Any) -> ZeroOneAdam:
-    """Factory of the ``zerooneadam`` optimizer record: checks the config's parameter names."""
+def make_zero_one_adam(param_groups: list[dict[str, Any]], comm: Communicator | None = None, **params: Any) -> ZeroOneAdam:
+    """Factory of the ``zerooneadam`` optimizer record: checks the config's parameter names;
+    ``comm`` is the engine's (the record needs a communicator)."""
     check_names("ZeroOneAdam", params, ZERO_ONE_ADAM_PARAMS)
     if "betas" in params:
         params["betas"] = tuple(params["betas"])
-    return ZeroOneAdam(param_groups, **params)
+    return ZeroOneAdam(param_groups, comm=comm, **params)

@@ -37,6 +37,8 @@ def setup(engine: Any) -> None:
     module = engine.module
     if isinstance(module, TensorParallelModule) or (isinstance(module, PipelineModule) and module.grid is not None):
         _refuse_if_nothing_trains(engine, module)
+        # built before the engine: its tensor and tied groups now talk through the engine's choice
+        module.bind_communicators(engine.assembly)
     tensor_group = _tensor_group(module)
     if tensor_group is not None and engine.config.activation_checkpointing.partition_activations:
         from zkit import checkpointing
@@ -46,13 +48,11 @@ def setup(engine: Any) -> None:
     if tensor_degree > 1:
         from zkit_pipeline.tensor_parallel import optimizer_norms
 
-        optimizer_norms.configure(engine, tensor_group, tensor_degree)
+        optimizer_norms.configure(engine, engine.assembly.communicator(tensor_group), tensor_degree)
     if isinstance(module, TensorParallelModule):
-        from zkit.builtin.comm_torch import TorchCommunicator
-
         weights = replication_weights(module, module.grid.degree("tensor"), {})
-        model = module.grid_groups["model"]
-        engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, TorchCommunicator(model, None))
+        model = engine.assembly.communicator(module.grid_groups["model"])
+        engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, model)
     elif isinstance(module, PipelineModule):
         grid = module.grid
         if grid is not None and grid.degree("pipe") * grid.degree("tensor") > 1:
@@ -104,6 +104,7 @@ def runner(engine: Any) -> Any:
         partitioner=engine.partitioner,
         micro_step=engine.micro_step_protocol,
         comm=getattr(engine, "world_comm", None),
+        assembly=engine.assembly,
     )
     return engine.stash[RUNNER]
 

@@ -18,6 +18,7 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from zkit.assembly import Assembly
 from zkit.microstep import MicroStep
 from zkit_pipeline.module import PipelineModule
 from zkit_pipeline.probe import StageProbe
@@ -69,6 +70,7 @@ class PipelineRunner:
         micro_step: MicroStep | None = None,
         comm: Any = None,
         probe: "StageProbe | None" = None,
+        assembly: Assembly | None = None,
     ) -> None:
         rank = dist.get_rank()
         self.grid = grid or module.grid or ProcessGrid(pipe=module.num_stages, data=dist.get_world_size() // module.num_stages)
@@ -91,14 +93,15 @@ class PipelineRunner:
         self.coord = self.grid.coord(rank)
         if self.coord.pipe != module.stage_id:
             raise ValueError(f"PipelineRunner: rank {rank} is pipeline stage {self.coord.pipe}, module stage {module.stage_id}")
+        # every group's communicator is the assembly's (the engine's; else the installed plugins')
+        assembly = assembly or Assembly.build()
         if self.grid is module.grid and module.grid_groups:
             # the module created the grid's groups (and its tied groups) when it was built
-            from zkit.builtin.comm_torch import TorchCommunicator
-
-            self.comms = {axis: TorchCommunicator(g, None) for axis, g in module.grid_groups.items()}
+            self.comms = {axis: assembly.communicator(g) for axis, g in module.grid_groups.items()}
         else:
-            self.comms = self.grid.build(rank)
+            self.comms = self.grid.build(rank, communicator=lambda group, _config: assembly.communicator(group))
             module.setup_tied(self.grid, rank)
+        module.bind_communicators(assembly)
         stage = getattr(partitioner, "stage", None)
         if stage is not None and stage >= 3:
             raise ValueError(
@@ -112,7 +115,9 @@ class PipelineRunner:
                 f"stages is not supported: stage {stage} frees each gradient into its shard during "
                 f"backward, before the tied gradients can be summed across stages; use ZeRO stage 0 or 1"
             )
-        self.wire = comm  # counts bytes of transfers when given
+        #: carries activations and gradients between stages (global ranks): ``comm`` when given
+        #: (the engine's world communicator, which counts them), else the pipe group's
+        self.p2p = comm if comm is not None else self.comms["pipe"]
         #: per-instruction timers and saved-activation bytes (off unless a probe is given)
         self.probe: StageProbe = probe or StageProbe(enabled=False)
         self._training_channels = True
@@ -136,7 +141,7 @@ class PipelineRunner:
     def _transfer(self, batch: list[CommInstruction], st: "_State") -> None:
         self._training_channels = st.train
         # a sent tensor is held until its send completed, not to the end of the batch
-        st.keep = [(work, t) for work, t in st.keep if not work.is_completed()]
+        st.keep = [(work, t) for work, t in st.keep if not _completed(work)]
         ops = []
         for inst in batch:
             if isinstance(inst, (SendActivation, SendGrad)):
@@ -147,25 +152,23 @@ class PipelineRunner:
                 key, peer = self._key(inst, True), self._peer_rank(inst)
                 if key not in self._sent_header:
                     self._sent_header.add(key)
-                    st.pending.append(dist.isend(_header(t), peer))
-                st.pending.append(dist.isend(t, peer))
+                    st.pending.append(self.p2p.isend(_header(t), peer))
+                st.pending.append(self.p2p.isend(t, peer))
                 st.keep.append((st.pending[-1], t))
-                if self.wire is not None:
-                    self.wire.account("send", t.numel() * t.element_size())
         for inst in batch:
             if isinstance(inst, (RecvActivation, RecvGrad)):
                 key, peer = self._key(inst, False), self._peer_rank(inst)
                 if key not in self._shapes:
                     h = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-                    dist.recv(h, peer)
+                    self.p2p.recv(h, peer)
                     self._shapes[key] = (_DTYPES[int(h[0])], tuple(int(d) for d in h[2 : 2 + int(h[1])]))
                 dtype, shape = self._shapes[key]
                 buf = torch.empty(shape, dtype=dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, buf, peer))
+                ops.append((buf, peer))
                 st.inbox[(inst.micro_batch, inst.chunk, type(inst))] = buf
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        # every receive posted before any is waited for: a peer may be receiving from us too
+        for work in [self.p2p.irecv(buf, peer) for buf, peer in ops]:
+            work.wait()
 
     # -- one global batch ------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
@@ -358,3 +361,9 @@ def _header(t: torch.Tensor) -> torch.Tensor:
     h[0], h[1] = _DTYPES.index(t.dtype), t.dim()
     h[2 : 2 + t.dim()] = t.shape
     return torch.tensor(h, dtype=torch.int64, device=t.device)  # where the activation is: NCCL's rule
+
+
+def _completed(work: Any) -> bool:
+    """Whether a send's handle has finished (one without ``is_completed`` finished on return)."""
+    is_completed = getattr(work, "is_completed", None)
+    return True if is_completed is None else bool(is_completed())

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zkit.checkpointing import checkpoint
+from zkit.deferred_communicator import DeferredCommunicator
 from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
 from zkit_pipeline.topology import ProcessGrid
 
@@ -239,17 +240,24 @@ class PipelineModule(nn.Module):
 
     def setup_tied(self, grid: Any, rank: int, communicator: Callable[[Any, Any], Any] | None = None) -> None:
         """Create the tied groups (collective over all ranks) and make every tied module start
-        equal to the first stage's copy."""
-        if communicator is None:
-            from zkit.builtin.comm_torch import TorchCommunicator as communicator
+        equal to the first stage's copy. ``communicator(group, config)`` is a communicator
+        record's factory; by default each group's communicator is deferred to the engine's
+        assembly (:meth:`bind_communicators`)."""
         self._tied_comms: dict[str, Any] = {}
         for key, groups in self.tied_groups(grid).items():
             for ranks in groups:
                 group = dist.new_group(ranks=ranks)
                 if rank in ranks:
-                    self._tied_comms[key] = communicator(group, None)
+                    self._tied_comms[key] = (DeferredCommunicator(group) if communicator is None
+                                             else communicator(group, None))
                     for p in self.tied_modules[key].parameters():
                         self._tied_comms[key].broadcast(p.data, src=ranks[0])
+
+    def bind_communicators(self, assembly: Any) -> None:
+        """Send the tied gradients through the communicators ``assembly`` (the engine's) gives."""
+        for comm in self._tied_comms.values():
+            if isinstance(comm, DeferredCommunicator):
+                comm.bind(assembly)
 
     @property
     def model_parallel_part(self) -> tuple[str, dict[str, Any]] | None:

@@ -22,6 +22,8 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch.distributed as dist
 
+from zkit.assembly import Assembly
+
 AXES = ("pipe", "data", "tensor")
 
 
@@ -124,11 +126,13 @@ class ProcessGrid:
         order) and return ``{axis: communicator}`` for this rank's groups, plus ``"model"`` for
         the pipe x tensor group that holds one whole model replica.
 
-        ``communicator(group, config)`` is a communicator record's factory (default: zkit's torch
-        communicator)."""
+        ``communicator(group, config)`` is a communicator record's factory (default: the
+        communicator an :class:`~zkit.assembly.Assembly` of ``config`` gives each group)."""
+        groups = self.build_groups(rank)
         if communicator is None:
-            from zkit.builtin.comm_torch import TorchCommunicator as communicator
-        return {name: communicator(group, config) for name, group in self.build_groups(rank).items()}
+            assembly = Assembly.build(config)
+            return {name: assembly.communicator(group) for name, group in groups.items()}
+        return {name: communicator(group, config) for name, group in groups.items()}
 
     def build_groups(self, rank: int | None = None) -> dict[str, Any]:
         """Create the torch.distributed groups of every axis (collective, as :meth:`build`) and

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch import nn
 
+from zkit.deferred_communicator import DeferredCommunicator
 from zkit_pipeline.topology import ProcessGrid
 
 
@@ -56,17 +57,21 @@ class TensorParallelModule(nn.Module):
                 f"TensorParallelModule: the topology has {topology.degree('pipe')} pipeline stages; build "
                 f"pipeline stages with PipelineModule"
             )
-        from zkit.builtin.comm_torch import TorchCommunicator
-
         self.grid = topology
         self.coord = topology.coord(dist.get_rank())
         #: this rank's torch.distributed group per axis (collective creation, same order everywhere)
         self.grid_groups = topology.build_groups(dist.get_rank())
         self.data_parallel_group = self.grid_groups["data"]
-        self.tensor_comm = TorchCommunicator(self.grid_groups["tensor"], None)
+        #: the layers' collectives: the engine's communicator for this group once it is built
+        #: (:meth:`bind_communicators`), until then the installed plugins' choice
+        self.tensor_comm = DeferredCommunicator(self.grid_groups["tensor"])
         self.module = build(self.tensor_comm)
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"TensorParallelModule: build(tensor_comm) must return an nn.Module, got {self.module!r}")
+
+    def bind_communicators(self, assembly: Any) -> None:
+        """Send the layers' collectives through the communicator ``assembly`` (the engine's) gives."""
+        self.tensor_comm.bind(assembly)
 
     @property
     def model_parallel_part(self) -> tuple[str, dict[str, Any]]:

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 
 
-def configure(engine: Any, tensor_group: Any, tensor_degree: int) -> None:
-    """Give ``engine``'s optimizer the tensor group's norms, or refuse a non-elementwise
-    optimizer that has no ``set_sliced_norms``. Nothing to do for an elementwise one."""
+def configure(engine: Any, tensor_comm: Any, tensor_degree: int) -> None:
+    """Give ``engine``'s optimizer the tensor group's norms (summed through ``tensor_comm``), or
+    refuse a non-elementwise optimizer that has no ``set_sliced_norms``. Nothing to do for an
+    elementwise one."""
     partitioner = engine.partitioner
     record = getattr(getattr(partitioner, "ctx", None), "optimizer", None)
     optimizer = engine.optimizer
@@ -46,7 +47,7 @@ def configure(engine: Any, tensor_group: Any, tensor_degree: int) -> None:
     def all_reduce(t: torch.Tensor) -> None:
         # Through the training device: the optimizer may step on the host (offload).
         on_device = t.to(device)
-        torch.distributed.all_reduce(on_device, group=tensor_group)
+        tensor_comm.all_reduce(on_device, "sum")
         if on_device is not t:
             t.copy_(on_device)
 

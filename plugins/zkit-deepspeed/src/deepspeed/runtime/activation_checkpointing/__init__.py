@@ -1,0 +1,4 @@
+"""``deepspeed.runtime.activation_checkpointing``."""
+from deepspeed import checkpointing
+
+__all__ = ["checkpointing"]

@@ -1,0 +1,101 @@
+"""Checkpoint formats are records of a hook family (``zkit_register_checkpoint_formats``): a format
+a plugin registers is what ``engine.load_checkpoint`` and ``consolidate`` use; names are unique;
+a format without an operation, or a DeepSpeed checkpoint without the drop-in, is refused by name."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint_format_ranks as cfr
+import zkit
+from zkit.checkpoint import CheckpointError, consolidate
+from zkit.checkpoint.formats import for_load
+from zkit.cli import main as cli_main
+from zkit.plugins import PluginError, get_plugin_manager
+from zkit.records import CheckpointFormatRecord
+from zkit.testing import run_ranks
+
+
+def test_a_plugin_format_is_used_by_load_checkpoint(tmp_path):
+    (tmp_path / "acme").mkdir()
+    (tmp_path / "acme" / cfr.MARKER).write_text("0.5")
+    out = run_ranks(cfr.load_with_a_plugin_format, 1, args=(str(tmp_path / "acme"), str(tmp_path / "z")))[0]
+    assert out["path"] == str(tmp_path / "acme") and out["client"] == {"from": "acme"}
+    assert out["calls"] == [{"tag": None, "optim": False, "lr": False}]  # load_module_only reached the format
+    assert all(bool((w == 0.5).all()) for w in out["weights"])
+    assert out["zkit_client"] == {}
+
+
+class _Pieces:
+    """A plugin format's pieces: one 2x2 parameter in one file."""
+
+    def __init__(self, where: Path) -> None:
+        self.where, self.extras_file = where, "w.bin"
+        self.meta = {"params": {"w": [2, 2]}, "index": {"w.bin": [("w", 0, 4)]}}
+
+    def pieces(self, fname, with_state=False):
+        return [{"name": "w", "start": 0, "end": 4, "master": torch.arange(4.0), "state": {}}]
+
+    def extras(self):
+        return {}
+
+    def param_groups(self):
+        return []
+
+
+class _PiecesFormat:
+    @zkit.hookimpl
+    def zkit_register_checkpoint_formats(self):
+        # detect(path, tag) looks at the tag's directory: consolidate asks (dir.parent, dir.name)
+        yield CheckpointFormatRecord(name="flat", detect=lambda path, tag: (path / (tag or "") / "w.bin").is_file(),
+                                     pieces=_Pieces)
+
+
+def test_consolidate_reads_a_plugin_formats_pieces(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "w.bin").write_bytes(b"")
+    pm = get_plugin_manager(autoload=False, extra_plugins=[_PiecesFormat()])
+    state = torch.load(consolidate(tmp_path / "c", tmp_path / "out.pt", pm=pm), weights_only=True)
+    assert torch.equal(state["w"], torch.arange(4.0).view(2, 2))
+
+
+class _Duplicate:
+    @zkit.hookimpl
+    def zkit_register_checkpoint_formats(self):
+        yield CheckpointFormatRecord(name="DCP", detect=lambda path, tag: False)
+
+
+def test_a_duplicate_format_name_is_refused_naming_both():
+    pm = get_plugin_manager(autoload=False, extra_plugins=[_Duplicate()])
+    with pytest.raises(PluginError, match=r"two checkpoint formats are named 'dcp': one from 'zkit', one from 'test_checkpoint_formats'"):
+        pm.checkpoint_formats()
+
+
+def _deepspeed_dir(root: Path) -> Path:
+    (root / "global_step3").mkdir(parents=True)
+    (root / "latest").write_text("global_step3")
+    (root / "global_step3" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    return root
+
+
+def test_a_deepspeed_checkpoint_without_the_dropin_names_the_distribution(tmp_path):
+    ds = _deepspeed_dir(tmp_path / "ds")
+    assert for_load(get_plugin_manager(), ds, None).name == "deepspeed"  # with the drop-in installed
+    want = (r"holds a DeepSpeed checkpoint \(mp_rank_00_model_states.pt\); reading it needs the checkpoint format "
+            r"'deepspeed', provided by the distribution 'deepspeed', which is not installed \(or is blocked\): "
+            r"pip install -e plugins/zkit-deepspeed")
+    with pytest.raises(CheckpointError, match=want):
+        consolidate(ds, tmp_path / "m.pt", pm=get_plugin_manager(blocked=["deepspeed"]))
+    message = run_ranks(cfr.load_deepspeed_without_the_dropin, 1, args=(str(ds),))[0]
+    assert "reading it needs the checkpoint format 'deepspeed', provided by the distribution 'deepspeed'" in message
+
+
+def test_an_operation_a_format_lacks_or_an_unknown_format_is_refused_by_name(tmp_path):
+    ds = _deepspeed_dir(tmp_path / "ds")
+    with pytest.raises(SystemExit, match=r"zkit consolidate: the checkpoint format 'deepspeed' \(from deepspeed "
+                                         r"[^)]*\) does not provide 'export'; it provides: load, pieces"):
+        cli_main(["consolidate", str(ds), str(tmp_path / "out"), "--format", "deepspeed"])
+    with pytest.raises(SystemExit, match=r"unknown checkpoint format 'nope'; checkpoint formats: deepspeed, dcp, zkit, hf"):
+        cli_main(["consolidate", str(ds), str(tmp_path / "out"), "--format", "nope"])

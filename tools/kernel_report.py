@@ -1,0 +1,208 @@
+"""The kernel's shape in numbers: lines per package, import circles, function-local imports,
+direct communicator constructions, and imports of plugin distributions from ``zkit/``.
+
+    python tools/kernel_report.py            # table on stdout
+    python tools/kernel_report.py --json     # the same as JSON
+
+Only module-level imports make an import edge; an import inside a function is counted apart,
+since such imports are how an import circle is usually hidden.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN_PACKAGES = ("zkit_pipeline", "zkit_offload", "zkit_onebit", "zkit_sparse", "zkit_deepspeed",
+                   "zkit_cuda_numba", "deepspeed")
+
+#: import packages shipped by one distribution: imports between them are internal
+SAME_DISTRIBUTION = {"zkit_deepspeed": "deepspeed"}
+
+
+def module_name(path: Path, src_root: Path) -> str:
+    parts = list(path.relative_to(src_root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def source_lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if node.level == 0:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def imports_of(tree: ast.Module, module: str, is_package: bool, modules: dict | None = None):
+    """Yield (target, is_local, is_type_checking) for every import in the module."""
+    type_checking_nodes: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            for child in ast.walk(node):
+                type_checking_nodes.add(id(child))
+    function_nodes: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for child in ast.walk(node):
+                if child is not node:
+                    function_nodes.add(id(child))
+    for node in ast.walk(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = resolve(node, module, is_package)
+            # ``from pkg import submodule`` depends on the submodule; only a name defined in the
+            # package's ``__init__`` makes the package itself a dependency
+            targets = [f"{base}.{alias.name}" for alias in node.names]
+            if modules is None or any(t not in modules for t in targets):
+                targets.append(base)
+        for target in targets:
+            yield target, id(node) in function_nodes, id(node) in type_checking_nodes
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    result: list[list[str]] = []
+    counter = [0]
+    sys.setrecursionlimit(10000)
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                result.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return result
+
+
+def report(package_dir: Path, src_root: Path) -> dict:
+    modules: dict[str, Path] = {}
+    for path in sorted(package_dir.rglob("*.py")):
+        modules[module_name(path, src_root)] = path
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    full_graph: dict[str, set[str]] = {m: set() for m in modules}
+    local_imports: list[str] = []
+    plugin_imports: list[str] = []
+    constructions: list[str] = []
+    core_outward: list[str] = []
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text())
+        is_package = path.name == "__init__.py"
+        seen_local: set[int] = set()
+        for target, is_local, is_typing in imports_of(tree, module, is_package, modules):
+            top = target.split(".")[0]
+            if top in PLUGIN_PACKAGES and SAME_DISTRIBUTION.get(top, top) != SAME_DISTRIBUTION.get(
+                    package_dir.name, package_dir.name):
+                plugin_imports.append(f"{path.relative_to(ROOT)}: {target}")
+            if target in modules and target != module:
+                core = f"{package_dir.name}.core"
+                if module.startswith(core) and not target.startswith(core) and target != package_dir.name \
+                        and not is_typing:
+                    core_outward.append(f"{path.relative_to(ROOT)}: {target}")
+                if not is_typing:
+                    full_graph[module].add(target)
+                if is_local:
+                    seen_local.add(hash((target, module)))
+                    local_imports.append(f"{path.relative_to(ROOT)}: {target}")
+                elif not is_typing:
+                    graph[module].add(target)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                if name == "TorchCommunicator":
+                    constructions.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    packages: dict[str, int] = {}
+    for module, path in modules.items():
+        parts = module.split(".")
+        key = ".".join(parts[:2]) if path.name == "__init__.py" or len(parts) > 2 else parts[0]
+        if path.name == "__init__.py" and len(parts) == 1:
+            key = parts[0]
+        packages[key] = packages.get(key, 0) + source_lines(path)
+    return {
+        "lines": sum(packages.values()),
+        "packages": dict(sorted(packages.items())),
+        "circles": strongly_connected(graph),
+        "circles_with_local_imports": strongly_connected(full_graph),
+        "function_local_imports": sorted(set(local_imports)),
+        "communicator_constructions": constructions,
+        "plugin_imports": sorted(set(plugin_imports)),
+        "core_imports_outside_core": sorted(set(core_outward)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="list every local import and construction")
+    args = parser.parse_args()
+    trees = {"zkit": (ROOT / "zkit", ROOT)}
+    for plugin in sorted((ROOT / "plugins").iterdir()):
+        for package in sorted((plugin / "src").glob("*")):
+            if package.is_dir() and (package / "__init__.py").exists():
+                trees[package.name] = (package, plugin / "src")
+    for package in sorted((ROOT / "cuda_numba" / "src").glob("*")):
+        if package.is_dir() and (package / "__init__.py").exists():
+            trees[package.name] = (package, ROOT / "cuda_numba" / "src")
+    result = {name: report(path, src) for name, (path, src) in trees.items()}
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    total = sum(r["lines"] for r in result.values())
+    print(f"{'package':<34} {'lines':>6}")
+    for name, r in result.items():
+        for pkg, lines in r["packages"].items():
+            print(f"{pkg:<34} {lines:>6}")
+        print(f"{'= ' + name:<34} {r['lines']:>6}")
+    print(f"{'= all source':<34} {total:>6}   zkit/ is {100 * result['zkit']['lines'] / total:.0f}%")
+    for name, r in result.items():
+        circles = r["circles"]
+        full = r["circles_with_local_imports"]
+        print(f"\n{name}: {len(circles)} import circle(s) {[len(c) for c in circles]} "
+              f"({len(full)} {[len(c) for c in full]} counting function-local imports), "
+              f"{len(r['function_local_imports'])} function-local import(s) "
+              f"of its own modules, {len(r['communicator_constructions'])} direct TorchCommunicator "
+              f"construction(s), {len(r['plugin_imports'])} import(s) of a plugin distribution")
+        if name == "zkit":
+            print(f"zkit.core: {len(r['core_imports_outside_core'])} import(s) of zkit modules outside the core")
+        if args.verbose:
+            for c in full:
+                print("  circle:", " ".join(c))
+            for line in (r["function_local_imports"] + r["communicator_constructions"] + r["plugin_imports"]
+                         + r["core_imports_outside_core"]):
+                print("  ", line)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,1 +1,0 @@
-"""Other libraries' public names mapped onto zkit's API (``zkit.compat.deepspeed``)."""
