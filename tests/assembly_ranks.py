@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import zkit
-from zkit.builtin.comm_torch import TorchCommunicator
-from zkit.records import CommunicatorRecord
+from zkit.torch_distributed.communicator import TorchCommunicator
+from zkit.core.records import CommunicatorRecord
 
 #: every communicator the plugin's factory made since the last phase, with the group asked for
 MADE: list["CountingCommunicator"] = []
@@ -79,11 +79,11 @@ def activations() -> dict[str, Any]:
     engine, *_ = zkit.initialize(model=nn.Linear(8, 8), config=_config(1), stack=STACK)
     MADE.clear()
     group = dist.new_group([0, 1])
-    zkit.checkpointing.configure(engine, group=group, partition_activations=True)
+    zkit.activations.checkpointing.configure(engine, group=group, partition_activations=True)
     layer = nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True) * 2  # not a leaf: a saved input that is split
-    zkit.checkpointing.checkpoint(layer, x).sum().backward()
-    zkit.checkpointing.reset()
+    zkit.activations.checkpointing.checkpoint(layer, x).sum().backward()
+    zkit.activations.checkpointing.reset()
     out = _calls({"activations": group})
     engine.close()
     return out

@@ -8,7 +8,7 @@ import torch
 
 import zkit
 from zkit.checkpoint import CheckpointError
-from zkit.records import CheckpointFormatRecord
+from zkit.core.records import CheckpointFormatRecord
 
 MARKER = "acme.index"
 

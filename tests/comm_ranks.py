@@ -12,7 +12,7 @@ def rank_input(rank: int, numel: int) -> torch.Tensor:
 def flat_collectives(shard: int, flat: str | None = None) -> dict:
     """all_gather and reduce_scatter of the torch communicator, in place and out of place, then
     the same issued together under ``comm.coalesced()``; ``flat`` forces the flat collectives."""
-    from zkit.builtin.comm_torch import TorchCommunicator
+    from zkit.torch_distributed.communicator import TorchCommunicator
 
     comm = TorchCommunicator(flat_collectives=flat)
     out: dict = {"kind": comm.flat.kind}
@@ -66,8 +66,8 @@ def engine_runs(flats: list[str | None], steps: int = 2) -> dict:
 
 def _engine_runs(flat: str | None, steps: int) -> dict:
     import zkit
-    from zkit.builtin.comm_torch import TorchCommunicator
-    from zkit.records import CommunicatorRecord
+    from zkit.torch_distributed.communicator import TorchCommunicator
+    from zkit.core.records import CommunicatorRecord
 
     import engine_ranks as er
 

@@ -32,7 +32,7 @@ FEATURES: dict[str, str] = {
     "fp16": "fp16 training, dynamic loss scale",
     "grad_accum": "2 micro-batches of half the size per step",
     "clipping": "gradient_clipping 0.05",
-    "act_ckpt": "activation checkpointing of each block (zkit.checkpointing, cpu_checkpointing)",
+    "act_ckpt": "activation checkpointing of each block (zkit.activations.checkpointing, cpu_checkpointing)",
     "onebit_adam": "zkit-onebit's OneBitAdam in its warm-up (freeze_step past the run: the 1-bit phase's "
                    "own tests compare it with its simulation)",
     "client_sgd": "a client torch.optim.SGD instance (momentum 0.9) passed to initialize",

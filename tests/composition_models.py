@@ -70,7 +70,7 @@ def layers(features: tuple[str, ...]) -> list[torch.nn.Module]:
 
 
 class Net(torch.nn.Module):
-    """The layers in order; with ``ckpt`` each block runs through zkit.checkpointing."""
+    """The layers in order; with ``ckpt`` each block runs through zkit.activations.checkpointing."""
 
     def __init__(self, features: tuple[str, ...]) -> None:
         super().__init__()
@@ -80,7 +80,7 @@ class Net(torch.nn.Module):
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        from zkit import checkpointing
+        from zkit.activations import checkpointing
         from zkit.models.gpt import Block
 
         for layer in self.layers:
@@ -136,7 +136,7 @@ def build(features: tuple[str, ...]) -> torch.nn.Module:
     grid, stage_layers = None, layers(features)
     if tensor_parallel:  # 2 stages x 2 tensor ranks (x 2 replicas for pipeline_dp): the layers are
         # split before the stages are cut
-        from zkit.builtin.comm_torch import TorchCommunicator
+        from zkit.torch_distributed.communicator import TorchCommunicator
 
         grid = ProcessGrid(pipe=2, tensor=2, data=2 if "pipeline_dp" in features else 1)
         tp = TorchCommunicator(grid.build_groups(torch.distributed.get_rank())["tensor"], None)

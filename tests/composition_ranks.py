@@ -39,8 +39,8 @@ class CountingAllocator:
 
     @staticmethod
     def record():
-        from zkit.alloc import Allocator
-        from zkit.records import AllocatorRecord
+        from zkit.core.allocator import Allocator
+        from zkit.core.records import AllocatorRecord
 
         class Counting(Allocator):
             def place(self, purpose: str) -> torch.device:
@@ -60,7 +60,7 @@ ONEBIT_MIN_NUMEL = 32
 
 def onebit_record():
     """zkit-onebit's communicator with :data:`ONEBIT_MIN_NUMEL`, as a record a Stack can take."""
-    from zkit.records import CommunicatorRecord
+    from zkit.core.records import CommunicatorRecord
     from zkit_onebit import OneBitCommunicator
 
     def factory(group, config, transport):

@@ -262,8 +262,8 @@ def hang() -> None:
 
 def diverged_collectives() -> str:
     """Rank 0 all-reduces in the optimizer step while rank 1 waits for a message in backward."""
-    from zkit import diagnostics
-    from zkit.builtin.comm_torch import TorchCommunicator
+    from zkit.core import diagnostics
+    from zkit.torch_distributed.communicator import TorchCommunicator
 
     class Cfg:
         comms_timeout_s = 3.0
@@ -287,7 +287,7 @@ def rank_skips_collectives() -> str:
     ends at the timeout with a report instead of hanging."""
     import time
 
-    from zkit import diagnostics
+    from zkit.core import diagnostics
 
     world = torch.distributed.get_world_size()
     cfg = config(0, "fp32", 1, world, comms_timeout_s=3.0)

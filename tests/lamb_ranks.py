@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import zkit
 from zkit.optim.lamb import Lamb
-from zkit.records import OptimizerRecord
+from zkit.core.records import OptimizerRecord
 
 import engine_ranks as er
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import zkit
-from zkit.offload_states import OffloadStateTypeEnum, held
+from zkit.core.offload_states import OffloadStateTypeEnum, held
 
 from engine_ranks import make_model
 

@@ -8,8 +8,8 @@ import torch
 
 import assembly_ranks as ar
 import zkit
-from zkit.assembly import Assembly
-from zkit.records import OptimizerRecord
+from zkit.core.assembly import Assembly
+from zkit.core.records import OptimizerRecord
 from zkit.testing import run_ranks
 
 

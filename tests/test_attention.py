@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkit.attention import available_attention, build_attention
-from zkit.builtin.attn_dense import DenseAttention
-from zkit.plugins import PluginError
+from zkit.core.attention import available_attention, build_attention
+from zkit.models.dense_attention import DenseAttention
+from zkit.core.plugin_manager import PluginError
 
 
 def reference(q, k, v, keep=None, bias=None):

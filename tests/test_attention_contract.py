@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zkit.attention import available_attention, build_attention
+from zkit.core.attention import available_attention, build_attention
 from zkit.models.gpt import GPT, GPTConfig
 
 GEOMETRY = {"causal": True, "dropout": 0.0, "num_heads": 4, "head_dim": 16, "max_seq_length": 64}

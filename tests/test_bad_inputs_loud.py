@@ -12,7 +12,7 @@ import torch
 
 import zkit
 from zkit.checkpoint import CheckpointError
-from zkit.config import ConfigError, load_config
+from zkit.core.config import ConfigError, load_config
 
 
 def _config(**extra) -> dict:

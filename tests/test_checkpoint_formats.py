@@ -11,10 +11,10 @@ import torch
 import checkpoint_format_ranks as cfr
 import zkit
 from zkit.checkpoint import CheckpointError, consolidate
-from zkit.checkpoint.formats import for_load
+from zkit.core.checkpoint_formats import for_load
 from zkit.cli import main as cli_main
-from zkit.plugins import PluginError, get_plugin_manager
-from zkit.records import CheckpointFormatRecord
+from zkit.core.plugin_manager import PluginError, get_plugin_manager
+from zkit.core.records import CheckpointFormatRecord
 from zkit.testing import run_ranks
 
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-import zkit.checkpointing as ckpt
-from zkit.builtin.alloc_flat import DeviceAllocator
-from zkit.config import ConfigError
+import zkit.activations.checkpointing as ckpt
+from zkit.zero.device_allocator import DeviceAllocator
+from zkit.core.config import ConfigError
 from zkit.models.gpt import GPT, Block, GPTConfig
 from zkit.testing import run_ranks
 
@@ -166,7 +166,7 @@ def test_profile_logs_forward_and_recompute(caplog):
     ckpt.configure(profile=True)
     model = _gpt()
     ckpt.apply(model, "every_k:2")
-    with caplog.at_level(logging.INFO, logger="zkit.checkpointing"):
+    with caplog.at_level(logging.INFO, logger="zkit.activations.checkpointing"):
         _grads(model)
     report = ckpt.profile_report()
     assert set(report) == {"blocks.0", "blocks.2"}
@@ -198,7 +198,7 @@ def test_bad_policies(policy, message):
 def test_apply_errors():
     model = _gpt()
     ckpt.apply(model, "every")
-    with pytest.raises(ValueError, match="'blocks.0' is already checkpointed; call zkit.checkpointing.remove"):
+    with pytest.raises(ValueError, match="'blocks.0' is already checkpointed; call zkit.activations.checkpointing.remove"):
         ckpt.apply(model, "every")
     with pytest.raises(ValueError, match="has no nn.ModuleList or nn.Sequential of blocks"):
         ckpt.apply(nn.Linear(2, 2), "every")
@@ -226,7 +226,7 @@ def test_configure_errors():
 
 
 def test_partition_without_group_is_a_noop(caplog):
-    with caplog.at_level(logging.INFO, logger="zkit.checkpointing"):
+    with caplog.at_level(logging.INFO, logger="zkit.activations.checkpointing"):
         s = ckpt.configure(partition_activations=True)
     assert not s.splits and not s.transforms_inputs
     assert "no tensor-parallel group" in caplog.text
@@ -279,7 +279,7 @@ def test_engine_stages_with_tied_weights_match_unchecked():
 
 
 def partition_rank():
-    from zkit.builtin.comm_torch import TorchCommunicator
+    from zkit.torch_distributed.communicator import TorchCommunicator
 
     alloc = DeviceAllocator(torch.device("cpu"))
     torch.manual_seed(0)

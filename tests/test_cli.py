@@ -5,7 +5,7 @@ import sys
 import textwrap
 
 from zkit.cli import plugins_text
-from zkit.records import FAMILIES
+from zkit.core.records import FAMILIES
 
 
 def _zkit(*args, **kw):
@@ -48,7 +48,7 @@ def test_a_failing_rank_fails_the_job_with_its_error(tmp_path):
     script.write_text(textwrap.dedent(
         """
         import torch.distributed as dist, zkit
-        from zkit import distributed
+        from zkit.core import distributed
         distributed.ensure_initialized()
         if dist.get_rank() == 1:
             raise SystemExit("rank 1 gave up")
@@ -70,7 +70,7 @@ def test_run_without_master_port_uses_a_free_port_and_a_taken_port_names_the_fla
     import socket
 
     script = tmp_path / "ok.py"
-    script.write_text("import zkit.distributed as d, torch.distributed as dist\nd.ensure_initialized()\n"
+    script.write_text("import zkit.core.distributed as d, torch.distributed as dist\nd.ensure_initialized()\n"
                       "print(f'ws {dist.get_world_size()}', flush=True)\nimport sys\nsys.exit(0)\n")
     with socket.socket() as busy:  # another job holding torchrun's default port changes nothing
         busy.bind(("127.0.0.1", 0))
@@ -90,7 +90,7 @@ def test_a_failing_rank_shows_its_traceback_in_the_summary(tmp_path):
     script.write_text(textwrap.dedent(
         """
         import torch.distributed as dist, zkit
-        from zkit import distributed
+        from zkit.core import distributed
         distributed.ensure_initialized()
         def load_batch():
             raise ValueError("batch 7 is corrupt")

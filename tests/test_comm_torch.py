@@ -44,7 +44,7 @@ def test_flat_collectives_match_their_definition(world, flat):
 
 
 def test_an_unknown_flat_collective_kind_is_refused():
-    from zkit.builtin.collectives import choose
+    from zkit.torch_distributed.collectives import choose
 
     message = r"flat collectives 'ring': choose one of native, per_rank \(or None: by backend\)"
     with pytest.raises(ValueError, match=message):
@@ -52,7 +52,7 @@ def test_an_unknown_flat_collective_kind_is_refused():
 
 
 def test_the_backend_chooses_its_flat_collectives():
-    from zkit.builtin.collectives import choose
+    from zkit.torch_distributed.collectives import choose
 
     assert choose("gloo").kind == "per_rank" and not choose("gloo").native_avg
     assert choose("nccl").kind == "native" and choose("nccl").native_avg and choose("nccl").coalesces

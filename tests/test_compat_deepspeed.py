@@ -35,9 +35,9 @@ def test_a_deepspeedexamples_style_script_trains(tmp_path):
 
 def test_import_zkit_as_deepspeed_gives_zkits_own_api():
     import zkit as ds
-    import zkit.engine
+    import zkit.core.engine
 
-    assert ds.initialize is zkit.engine.initialize
+    assert ds.initialize is zkit.core.engine.initialize
     assert ds.zero.Init is deepspeed.zero.Init and ds.zero.GatheredParameters is deepspeed.zero.GatheredParameters
     assert ds.checkpointing.configure is deepspeed.checkpointing.configure
     with pytest.raises(AttributeError, match="no attribute 'not_a_name'$"):
@@ -191,7 +191,7 @@ def test_zero_names():
         deepspeed.zero.register_external_parameter(lin, torch.ones(1))
     from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
 
-    assert "WarmupDecayLR" in VALID_LR_SCHEDULES and WarmupLR is zkit.optim.lr_schedules.WarmupLR
+    assert "WarmupDecayLR" in VALID_LR_SCHEDULES and WarmupLR is zkit.schedules.lr_schedules.WarmupLR
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -255,14 +255,14 @@ def test_moe_helpers_without_experts_and_refusals():
 
 def test_initialize_engine_class_must_be_an_engine_subclass():
     with pytest.raises(TypeError, match=r"^zkit\.initialize\(engine_class=<class 'int'>\): give a subclass of "
-                                        r"zkit\.engine\.Engine$"):
+                                        r"zkit\.core\.engine\.Engine$"):
         zkit.initialize(model=torch.nn.Linear(2, 2), config={"train_batch_size": 1}, engine_class=int)
 
 
 def test_deepspeed_only_accessors_are_on_deepspeed_engine_not_zkits():
-    import zkit.engine
+    import zkit.core.engine
 
-    assert issubclass(deepspeed.DeepSpeedEngine, zkit.engine.Engine)
+    assert issubclass(deepspeed.DeepSpeedEngine, zkit.core.engine.Engine)
     for name in ("global_rank", "local_rank", "dp_world_size", "mp_world_size", "zero_optimization",
                  "fp16_enabled", "bfloat16_enabled", "steps_per_print"):
-        assert hasattr(deepspeed.DeepSpeedEngine, name) and not hasattr(zkit.engine.Engine, name), name
+        assert hasattr(deepspeed.DeepSpeedEngine, name) and not hasattr(zkit.core.engine.Engine, name), name

@@ -1,5 +1,5 @@
 """torch.compile under the engine: ``engine.compile()`` (DeepSpeed's call) and a compiled module
-given to ``initialize`` train every ZeRO stage with the losses of the eager run (``zkit.compile``).
+given to ``initialize`` train every ZeRO stage with the losses of the eager run (``zkit.core.compile``).
 
 The backends are Dynamo's ``aot_eager`` (forward and backward graphs through AOTAutograd, run by
 torch's kernels) and ``eager`` (Dynamo's graphs alone): they check the capture without paying for

@@ -1,4 +1,4 @@
-"""zkit.config: structuring, defaults, errors (each error's text is checked)."""
+"""zkit.core.config: structuring, defaults, errors (each error's text is checked)."""
 import json
 import sys
 
@@ -6,7 +6,7 @@ import attrs
 import pytest
 import torch
 
-from zkit.config import (
+from zkit.core.config import (
     ConfigError,
     NotImplementedConfigError,
     ZeroConfig,

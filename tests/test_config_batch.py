@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkit.config import ConfigError, load_config
-from zkit.config.batch import resolve_batch
+from zkit.core.config import ConfigError, load_config
+from zkit.core.config.batch import resolve_batch
 
 KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 SUBSETS = [s for n in (1, 2, 3) for s in itertools.combinations(range(3), n) if s != (2,)]

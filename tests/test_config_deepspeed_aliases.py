@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from zkit.config import ConfigError, load_config
-from zkit.plugins import get_plugin_manager
+from zkit.core.config import ConfigError, load_config
+from zkit.core.plugin_manager import get_plugin_manager
 
 #: DeepSpeed's field name -> zkit's key (DeepSpeed's alias), zero_optimization
 ZERO_SHORT_NAMES = {

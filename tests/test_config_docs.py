@@ -2,9 +2,9 @@
 import io
 from pathlib import Path
 
-from zkit.config.docgen import write
-from zkit.config.fields import config_fields
-from zkit.config.load import builtin_section_paths
+from zkit.core.config.docgen import write
+from zkit.core.config.fields import config_fields
+from zkit.core.config.load import builtin_section_paths
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -24,5 +24,5 @@ def test_docs_are_up_to_date():
     out = io.StringIO()
     write(out)
     assert DOCS.read_text(encoding="utf-8") == out.getvalue(), (
-        "docs/config.md is stale: run python -m zkit.config.docgen > docs/config.md"
+        "docs/config.md is stale: run python -m zkit.core.config.docgen > docs/config.md"
     )

@@ -49,7 +49,7 @@ def test_wall_clock_breakdown_adds_phase_times_to_the_step_line(caplog):
 
 
 # -- gradient averaging, accumulation dtype ---------------------------------------------------------
-from zkit.config.errors import NotImplementedConfigError  # noqa: E402
+from zkit.core.config.errors import NotImplementedConfigError  # noqa: E402
 from zkit.testing import run_ranks  # noqa: E402
 
 from tests import honoured_ranks as hr  # noqa: E402
@@ -157,8 +157,8 @@ def test_dump_state_logs_what_the_engine_was_built_from(caplog):
 
 
 def test_a_key_without_effect_warns_once_naming_it_and_why(caplog):
-    from zkit.config import load_config
-    from zkit.config import structure as structure_module
+    from zkit.core.config import load_config
+    from zkit.core.config import structure as structure_module
 
     structure_module._WARNED.discard("zero_optimization.allgather_bucket_size")
     with caplog.at_level("WARNING", logger="zkit"):
@@ -174,7 +174,7 @@ def test_a_key_without_effect_warns_once_naming_it_and_why(caplog):
                                          ("load_from_fp32_weights", "zero_optimization"),
                                          ("use_node_local_storage", "checkpoint")])
 def test_a_key_zkit_cannot_honour_is_refused(key, section):
-    from zkit.config import load_config
+    from zkit.core.config import load_config
 
     value = key == "use_node_local_storage"
     with pytest.raises(NotImplementedConfigError, match=f"config key '{section}.{key}' is set to {value}, but zkit "

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import attrs
 
-from zkit.config.fields import config_fields, is_section_type, type_options
-from zkit.config.load import builtin_section_paths
-from zkit.plugins import get_plugin_manager
+from zkit.core.config.fields import config_fields, is_section_type, type_options
+from zkit.core.config.load import builtin_section_paths
+from zkit.core.plugin_manager import get_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import attrs
 import pytest
 
-from zkit.config import ConfigError, load_config
-from zkit.records import ConfigSectionRecord
+from zkit.core.config import ConfigError, load_config
+from zkit.core.records import ConfigSectionRecord
 
 
 @attrs.frozen(kw_only=True)

@@ -1,4 +1,4 @@
-"""The copy queue (zkit/copies.py): plain copies on a CPU-only run; with streams, each copy runs on
+"""The copy queue (zkit/core/copies.py): plain copies on a CPU-only run; with streams, each copy runs on
 the side stream after an event of the compute stream, its consumer waits on its own event, and
 no more than ``max_in_flight`` copies are outstanding. The streams are
 :class:`zkit.fake_streams.FakeStreams`, whose copies run only when waited for."""
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zkit.alloc import Allocator
-from zkit.copies import DONE, CopyQueue, default_streams
+from zkit.core.allocator import Allocator
+from zkit.core.copies import DONE, CopyQueue, default_streams
 from zkit.fake_streams import FakeStreams
 
 

@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from zkit import diagnostics
+from zkit.core import diagnostics
 from zkit.testing import run_ranks
 
 import engine_ranks as er

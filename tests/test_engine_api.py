@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import zkit
-from zkit.plugins import PluginError
+from zkit.core.plugin_manager import PluginError
 from zkit.testing import run_ranks
 
 import engine_ranks as er
@@ -202,7 +202,7 @@ def test_zero_init_takes_deepspeeds_config_dict_or_path(tmp_path):
 def test_checkpointing_configure_takes_deepspeeds_mpu_and_config(tmp_path):
     import json
 
-    from zkit import checkpointing
+    from zkit.activations import checkpointing
 
     class Mpu:  # Megatron's model-parallel unit, as DeepSpeed scripts pass it
         def get_model_parallel_group(self):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import zkit
-from zkit.stash import Stash, StashKey
+from zkit.core.stash import Stash, StashKey
 
 CONFIG = {
     "train_micro_batch_size_per_gpu": 2,

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from zkit.cli import main
-from zkit.estimate import estimate_memory
+from zkit.estimator.command import estimate_memory
 from zkit.estimator import gpt_activation_bytes, model_state_bytes, stage3_units
 from zkit.models.gpt import GPT, GPTConfig
 from zkit.testing import run_ranks
@@ -119,7 +119,7 @@ def test_stage3_shards_cover_the_model_once(modules, world, persistence):
 @pytest.mark.parametrize("dtype, nbytes", ((torch.float32, 4), (torch.bfloat16, 2)))
 @pytest.mark.parametrize("checkpointing", (False, True))
 def test_gpt_activation_estimate_matches_saved_tensors(dtype, nbytes, checkpointing):
-    import zkit.checkpointing as ckpt
+    import zkit.activations.checkpointing as ckpt
 
     cfg = GPTConfig(vocab_size=200, seq_len=32, n_layer=3, n_head=4, d_model=64)
     torch.manual_seed(0)

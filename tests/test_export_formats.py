@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import export_ranks
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit.testing import run_ranks
 
 

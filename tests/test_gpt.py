@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from zkit.data import ByteTextDataset, decode, encode
 from zkit.models import GPT, GPTConfig
 from zkit.models.gpt import PRESETS
-from zkit.plugins import PluginError
+from zkit.core.plugin_manager import PluginError
 
 CORPUS = os.path.join(os.path.dirname(__file__), "..", "contrib", "examples", "data", "austen.txt.gz")
 TINY = dict(vocab_size=256, seq_len=16, n_layer=2, n_head=2, d_model=32)

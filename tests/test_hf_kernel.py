@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import zkit.zero
-from zkit.config import ConfigError, load_config
+from zkit.core.config import ConfigError, load_config
 
 
 def test_steps_per_print_infinity_means_never():

@@ -15,7 +15,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 def _rss_after_churn(env_extra: dict[str, str], before_churn: str = "applied = hm.return_freed_memory()") -> tuple[bool, int]:
     code = f"""
 import gc, torch
-import zkit.host_memory as hm
+import zkit.core.host_memory as hm
 {before_churn}
 def rss():
     with open("/proc/self/status") as f:
@@ -77,7 +77,7 @@ def test_auto_returns_freed_memory_once_the_model_states_take_a_third_of_the_ran
 
 
 def test_the_rank_limit_is_the_tightest_cgroup_limit_or_the_machine_shared_by_its_ranks(tmp_path: Path):
-    import zkit.host_memory as hm
+    import zkit.core.host_memory as hm
 
     def files(cgroup: str, limits: dict[str, str], mem_kib: int = 16 << 20) -> Path:
         root = tmp_path / str(len(list(tmp_path.iterdir())))
@@ -109,14 +109,14 @@ def _engine_fixes_threshold(limit_bytes: int) -> tuple[bool, int]:
     import torch
 
     import zkit
-    import zkit.host_memory as hm
+    import zkit.core.host_memory as hm
 
     hm.rank_memory_limit = lambda local_ranks=1, root=None: limit_bytes  # this rank's memory, as a cgroup would set it
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
     engine, *_ = zkit.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2}})
-    from zkit.engine import _host_state_bytes
+    from zkit.core.engine import _host_state_bytes
 
     return hm._applied, _host_state_bytes(engine)
 
@@ -134,7 +134,7 @@ def test_initialize_returns_freed_memory_when_the_model_states_are_tight():
 
 
 def test_a_bad_choice_is_named(monkeypatch):
-    import zkit.host_memory as hm
+    import zkit.core.host_memory as hm
 
     monkeypatch.setenv("ZKIT_HOST_MALLOC", "yes")
     with pytest.raises(ValueError, match="ZKIT_HOST_MALLOC='yes': expected 'auto' .*'return' .*or 'keep'"):

@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkit.builtin.optim_torch import zkit_register_optimizers
+from zkit.optim.plugin import zkit_register_optimizers
 from zkit.optim import Lamb
 
 RECORDS = {r.name: r for r in zkit_register_optimizers()}

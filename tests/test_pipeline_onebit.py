@@ -1,5 +1,5 @@
 """1-bit compression composes with ZeRO-2 and with the pipeline: every micro-step, the engine's or a
-pipeline stage's, runs one protocol (zkit.microstep), and the compressing communicator keeps its
+pipeline stage's, runs one protocol (zkit.core.microstep), and the compressing communicator keeps its
 error buffers per gradient unit, not per scratch bucket."""
 import pytest
 import torch

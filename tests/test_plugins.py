@@ -2,9 +2,9 @@
 import pytest
 
 import zkit
-from zkit.plugins import PluginError, get_plugin_manager
-from zkit.records import FAMILIES, ConfigSectionRecord, OptimizerRecord, SchedulerRecord
-from zkit.stack import Stack, merge_plugin_stacks
+from zkit.core.plugin_manager import PluginError, get_plugin_manager
+from zkit.core.records import FAMILIES, ConfigSectionRecord, OptimizerRecord, SchedulerRecord
+from zkit.core.stack import Stack, merge_plugin_stacks
 
 
 def _opt_plugin(name, label):
@@ -107,7 +107,7 @@ def test_record_names_are_validated():
 
 
 
-REGISTRATION_HOOKS = sorted(n for n in dir(zkit.hookspecs) if n.startswith("zkit_register_")) + ["zkit_config_sections"]
+REGISTRATION_HOOKS = sorted(n for n in dir(zkit.core.hookspecs) if n.startswith("zkit_register_")) + ["zkit_config_sections"]
 
 
 def test_registration_hooks_are_called_through_pluggy():

@@ -1,7 +1,7 @@
 """fp16 dynamic loss scaling follows DeepSpeed's rules."""
 import pytest
 
-from zkit.precision import LossScaleAtMinimum, LossScaler
+from zkit.core.precision import LossScaleAtMinimum, LossScaler
 
 
 def test_static_scale_never_changes():

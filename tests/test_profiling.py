@@ -1,9 +1,9 @@
-"""Profiler ranges (``zkit.profiling``): a trace of a step names the engine's phases and each
+"""Profiler ranges (``zkit.core.profiling``): a trace of a step names the engine's phases and each
 ZeRO-3 gather and release by module; with no profiler running no range is opened."""
 import torch
 
 import zkit
-from zkit import profiling
+from zkit.core import profiling
 
 import engine_ranks as er
 

@@ -9,9 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import zkit
-import zkit.checkpointing as ckpt
+import zkit.activations.checkpointing as ckpt
 from zkit.models.gpt import GPT, GPTConfig
-from zkit.monitor import StepProbe, format_bytes, format_flops, format_memory_line, format_step_line
+from zkit.core.telemetry import StepProbe, format_bytes, format_flops, format_memory_line, format_step_line
 
 from shared_models import saved_tensor_bytes
 

@@ -73,7 +73,7 @@ def test_reported(site):
 WATCH = """
 import json, sys, warnings
 import torch, zkit
-from zkit.config.errors import ConfigError
+from zkit.core.config.errors import ConfigError
 from zkit_example_plugin import grad_norms
 
 def engine(watch, clip=0.0):

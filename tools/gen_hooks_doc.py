@@ -1,11 +1,11 @@
-"""Write docs/hooks.md from the docstrings of zkit/hookspecs.py: python tools/gen_hooks_doc.py"""
+"""Write docs/hooks.md from the docstrings of zkit/core/hookspecs.py: python tools/gen_hooks_doc.py"""
 from __future__ import annotations
 
 import inspect
 import sys
 from pathlib import Path
 
-from zkit import hookspecs
+from zkit.core import hookspecs
 
 REGISTRATION = [
     "zkit_register_partitioners", "zkit_register_communicators", "zkit_register_optimizers",
@@ -22,7 +22,7 @@ def render() -> str:
     lines = [
         "# Hook reference",
         "",
-        "Every hook zkit calls, generated from the docstrings in `zkit/hookspecs.py` by",
+        "Every hook zkit calls, generated from the docstrings in `zkit/core/hookspecs.py` by",
         "`python tools/gen_hooks_doc.py` (a test fails when a hook is missing here). A plugin implements",
         "hooks as plain functions marked `@zkit.hookimpl` in a module or class registered through the",
         "entry-point group `zkit`; see [writing-plugins.md](writing-plugins.md).",

@@ -9,16 +9,16 @@ Public API::
 ``import zkit as deepspeed`` gives zkit's own API under names DeepSpeed shares:
 ``deepspeed.initialize(model=..., config=...)`` (keywords; the config takes DeepSpeed's keys),
 ``deepspeed.zero.Init`` / ``deepspeed.zero.GatheredParameters`` (:mod:`zkit.zero`) and
-``deepspeed.checkpointing`` (activation checkpointing, :mod:`zkit.checkpointing`). DeepSpeed's
-other names (``comm``, ``accelerator``, ``ops``, ``pipe``, ``utils``, ``runtime``,
+``deepspeed.checkpointing`` (activation checkpointing, :mod:`zkit.activations.checkpointing`).
+DeepSpeed's other names (``comm``, ``accelerator``, ``ops``, ``pipe``, ``utils``, ``runtime``,
 ``DeepSpeedEngine``, ``init_distributed``, ...) are not zkit's: reaching one raises an
 ``AttributeError`` that says to install the drop-in (the ``deepspeed`` distribution in
 ``plugins/zkit-deepspeed``) and ``import deepspeed``. The kernel never imports the drop-in.
 """
 from __future__ import annotations
 
-from zkit.hookspecs import hookimpl, hookspec
-from zkit.records import (
+from zkit.core.hookspecs import hookimpl, hookspec
+from zkit.core.records import (
     AllocatorRecord,
     AttentionRecord,
     CommunicatorRecord,
@@ -49,17 +49,17 @@ __all__ = [
 def __getattr__(name: str):
     # Lazy: importing zkit to write a plugin must not build the engine machinery.
     if name == "initialize":
-        from zkit.engine import initialize
+        from zkit.core.engine import initialize
 
         return initialize
     if name == "Stack":
-        from zkit.stack import Stack
+        from zkit.core.stack import Stack
 
         return Stack
     if name in _SUBMODULES:
         import importlib
 
-        return importlib.import_module(f"zkit.{name}")
+        return importlib.import_module(_SUBMODULES[name])
     if name in DEEPSPEED_ONLY_NAMES:
         raise AttributeError(
             f"module 'zkit' has no attribute {name!r}: deepspeed.{name} is DeepSpeed's name, not zkit's. "
@@ -70,7 +70,7 @@ def __getattr__(name: str):
 
 
 #: submodules reached as attributes (``deepspeed.zero.Init`` after ``import zkit as deepspeed``)
-_SUBMODULES = ("checkpointing", "zero")
+_SUBMODULES = {"checkpointing": "zkit.activations.checkpointing", "zero": "zkit.zero"}
 #: DeepSpeed's top-level names that only the drop-in provides: ``import zkit as deepspeed`` says so
 DEEPSPEED_ONLY_NAMES = frozenset({
     "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "TORCH_DISTRIBUTED_DEFAULT_PORT",

@@ -164,9 +164,9 @@ def _master_port(args: argparse.Namespace) -> int:
 def consolidate(args: argparse.Namespace) -> int:
     """One state dict file (``--format file``), or an export in a checkpoint format's ``export``."""
     from zkit.checkpoint.consolidate import write_consolidated
-    from zkit.checkpoint.errors import CheckpointError
-    from zkit.checkpoint.formats import named, operation
-    from zkit.plugins import get_plugin_manager
+    from zkit.core.checkpoint_errors import CheckpointError
+    from zkit.core.checkpoint_formats import named, operation
+    from zkit.core.plugin_manager import get_plugin_manager
 
     if args.format != "hf" and (args.hf_config or args.max_shard_bytes):
         raise SystemExit("zkit consolidate: --hf-config and --max-shard-bytes go with --format hf")
@@ -196,7 +196,7 @@ def estimate_text(args: argparse.Namespace) -> str:
 
     import torch
 
-    from zkit.estimate import estimate_memory
+    from zkit.estimator.command import estimate_memory
     from zkit.models.gpt import GPTConfig
 
     def ints(text: str, option: str) -> tuple[int, ...]:
@@ -236,8 +236,8 @@ def estimate_text(args: argparse.Namespace) -> str:
 
 
 def plugins_text() -> str:
-    from zkit.plugins import get_plugin_manager
-    from zkit.records import FAMILIES
+    from zkit.core.plugin_manager import get_plugin_manager
+    from zkit.core.records import FAMILIES
 
     pm = get_plugin_manager()
     lines = [f"zkit {_version('zkit')} (built-in plugins are part of the zkit distribution)", "plugins:"]
@@ -302,7 +302,7 @@ def report_text() -> str:
     import torch
     import torch.distributed as dist
 
-    from zkit.plugins import get_plugin_manager
+    from zkit.core.plugin_manager import get_plugin_manager
 
     lines = [
         f"zkit {_version('zkit')}  python {platform.python_version()}  {platform.platform()}",

@@ -1,6 +1,6 @@
-"""A :class:`zkit.copies.Streams` for CPU tests that makes copies really asynchronous.
+"""A :class:`zkit.core.copies.Streams` for CPU tests that makes copies really asynchronous.
 
-Every copy a :class:`~zkit.copies.CopyQueue` issues on the side stream is *deferred*: it runs only
+Every copy a :class:`~zkit.core.copies.CopyQueue` issues on the side stream is *deferred*: it runs only
 when an event recorded after it is waited for (``event.synchronize()``, or the compute stream's
 ``wait_event``). Code that reads a copy's destination without waiting for its copy reads stale
 values, and code that overwrites a copy's source before the copy ran sends the new values, so an
@@ -14,6 +14,8 @@ from typing import Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from zkit.core import copies
 
 
 class FakeEvent:
@@ -122,19 +124,17 @@ class FakeStreams:
 
 @contextlib.contextmanager
 def installed() -> Iterator[list[FakeStreams]]:
-    """Inside the block every :class:`~zkit.copies.CopyQueue` created gets its own
+    """Inside the block every :class:`~zkit.core.copies.CopyQueue` created gets its own
     :class:`FakeStreams`, appended to the list this yields."""
-    import zkit.copies
-
     made: list[FakeStreams] = []
-    original = zkit.copies.default_streams
+    original = copies.default_streams
 
     def streams(device: torch.device) -> FakeStreams:
         made.append(FakeStreams())
         return made[-1]
 
-    zkit.copies.default_streams = streams
+    copies.default_streams = streams
     try:
         yield made
     finally:
-        zkit.copies.default_streams = original
+        copies.default_streams = original

@@ -16,8 +16,8 @@ import weakref
 
 import torch
 
-import zkit.checkpointing as ckpt
-from zkit.builtin.alloc_flat import DeviceAllocator
+import zkit.activations.checkpointing as ckpt
+from zkit.zero.device_allocator import DeviceAllocator
 from zkit.estimator import gpt_activation_bytes
 from zkit.models.gpt import GPT, GPTConfig
 

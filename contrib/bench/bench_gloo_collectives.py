@@ -70,8 +70,8 @@ def engine_steps(forced: str | None, steps: int) -> list[float]:
     import torch.distributed as dist
 
     import zkit
-    from zkit.builtin.comm_torch import TorchCommunicator
-    from zkit.records import CommunicatorRecord
+    from zkit.torch_distributed.communicator import TorchCommunicator
+    from zkit.core.records import CommunicatorRecord
 
     sys.path.insert(0, HERE)
     from zero_torch_side import build_zkit

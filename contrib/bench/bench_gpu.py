@@ -11,7 +11,7 @@ also the bound of their step (``bench_gpu_bound.py``: device compute, host-devic
 the pinned bandwidth measured in this run, the host optimizer's step alone) and the step's ratio
 to it. ``--trace`` writes a ``torch.profiler`` trace of one step per contestant and the share of
 that step the device spent in kernels; the traces show zkit's phases and ZeRO-3's per-module
-gathers and releases as named ranges (``zkit.profiling``)::
+gathers and releases as named ranges (``zkit.core.profiling``)::
 
     python contrib/bench/bench_gpu.py --out /tmp/bench_gpu --trace          # one H100: ~6 minutes
     python contrib/bench/bench_gpu.py --cpu-smoke --out /tmp/smoke         # no GPU: a tiny model, seconds

@@ -27,7 +27,7 @@ from zero_workloads import ADAMW
 
 BASE = ("torch", "fsdp2", "zkit-0", "zkit-1", "zkit-2", "zkit-3")
 OFFLOADED = ("zkit-2-offload", "zkit-3-offload", "zkit-3-nvme")
-#: stage 3 refuses torch.compile (zkit.compile)
+#: stage 3 refuses torch.compile (zkit.core.compile)
 COMPILED = ("torch-compile", "zkit-0-compile", "zkit-1-compile", "zkit-2-compile")
 ALL = BASE + OFFLOADED + COMPILED
 SUFFIX = "-compile"

@@ -3,7 +3,7 @@
 The trace (Chrome format, open it in Perfetto or ``chrome://tracing``) is written as it is. The
 summary: the share of the step's wall time the device spent in kernels (the union of their
 intervals: what the gaps between kernels leave), the largest gap between two kernels, and per kind
-of zkit range (``zkit.profiling``: ``gather``, ``release``, ``reduce``, ``forward`` ...) how many
+of zkit range (``zkit.core.profiling``: ``gather``, ``release``, ``reduce``, ``forward`` ...) how many
 there were and their host time in all, which is the host time of ZeRO-3's module hooks."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any, Callable
 
 import torch
 
-from zkit.profiling import PREFIX
+from zkit.core.profiling import PREFIX
 
 
 def trace_step(step: Callable[[torch.Tensor], Any], ids: torch.Tensor, device: torch.device, path: str) -> dict[str, Any]:

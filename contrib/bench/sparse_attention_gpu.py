@@ -242,7 +242,7 @@ def ids_probe(run: Run) -> torch.Tensor:
 
 
 def gpt_stage(run: Run, step_cap_s: float) -> None:
-    import zkit.checkpointing as ckpt
+    import zkit.activations.checkpointing as ckpt
     from zkit.models.gpt import GPT, GPTConfig
 
     layers, d, heads, vocab = (2, 64, 4, 256) if run.smoke else (12, 768, 12, 8192)

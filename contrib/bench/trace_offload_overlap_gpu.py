@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "gpu"))
 from test_copies_gpu import OVERLAP_ROWS, WIDTH, _engine, _kernels, _step  # noqa: E402
 
-from zkit.copies import Copy  # noqa: E402
+from zkit.core.copies import Copy  # noqa: E402
 
 out = os.environ.get("OUT", tempfile.gettempdir())
 engine = _engine({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},

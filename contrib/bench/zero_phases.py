@@ -51,8 +51,8 @@ class _TimedHandle:
 def timed_communicator_record(clock: _Clock) -> Any:
     """A communicator record (not installed: handed to the engine through ``zkit.Stack``) whose
     communicator books issue and wait times on ``clock``."""
-    from zkit.builtin.comm_torch import TorchCommunicator
-    from zkit.records import CommunicatorRecord
+    from zkit.torch_distributed.communicator import TorchCommunicator
+    from zkit.core.records import CommunicatorRecord
 
     class TimedCommunicator(TorchCommunicator):
         def _timed(self, kind: str, call: Any, async_op: bool) -> Any:

@@ -13,7 +13,7 @@ At stage 3 every contestant builds the model sharded from the start, as its user
 larger than one rank: zkit under ``zkit.zero.Init``, DeepSpeed under ``deepspeed.zero.Init``,
 FSDP2 on the meta device (sharded, then allocated). Below stage 3 every rank builds the full fp32
 model first. Next to each contestant the table prints the size that ``zkit estimate``
-(:func:`zkit.estimate.estimate_memory`) predicts fits the cap at that stage.
+(:func:`zkit.estimator.command.estimate_memory`) predicts fits the cap at that stage.
 """
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def predicted_bytes(stage: int, psi: int, world: int) -> float:
 def estimated_largest(stage: int, world: int, cap_bytes: int, template: Workload) -> Workload:
     """The deepest GPT of ``template``'s width that ``zkit estimate`` says fits ``cap_bytes`` (all
     ranks) at ``stage``: model states plus activations per rank, plus each rank's baseline."""
-    from zkit.estimate import estimate_memory
+    from zkit.estimator.command import estimate_memory
 
     # the workload's stage3_max_reuse_distance when it sets one, else the estimator's (the config's) default
     distance = template.stage3_max_reuse_distance

@@ -29,7 +29,7 @@ import zkit.zero
 from zkit.data import ByteTextDataset, decode, encode
 from zkit.models import GPT, GPTConfig
 from zkit.models.gpt import PRESETS
-from zkit.monitor import ProgressBar, ProgressBarLogHandler, format_bytes, write_line
+from zkit.core.telemetry import ProgressBar, ProgressBarLogHandler, format_bytes, write_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "austen.txt.gz")

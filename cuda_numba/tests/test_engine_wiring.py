@@ -13,9 +13,9 @@ import pytest
 import torch
 
 import zkit
-from zkit.config import load_config
-from zkit.plugins import get_plugin_manager
-from zkit.stack import configure
+from zkit.core.config import load_config
+from zkit.core.plugin_manager import get_plugin_manager
+from zkit.core.stack import configure
 from zkit_cuda_numba import plugin, runtime
 from zkit_cuda_numba.fused_adam import FusedAdamCUDA
 

@@ -40,7 +40,7 @@ def _reference(steps: list[torch.Tensor]) -> list[torch.Tensor]:
     return [p.detach().float() for p in model.parameters()]
 
 
-def _train(config: dict, steps: list[torch.Tensor]) -> tuple[list[torch.Tensor], "zkit.engine.Engine"]:
+def _train(config: dict, steps: list[torch.Tensor]) -> tuple[list[torch.Tensor], "zkit.core.engine.Engine"]:
     cfg = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 1000,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}, **config}
     engine, *_ = zkit.initialize(model=_model(), config=cfg)

@@ -1,4 +1,4 @@
-"""The parts of activation checkpointing (the public API is :mod:`zkit.checkpointing`).
+"""The parts of activation checkpointing (the public API is :mod:`zkit.activations.checkpointing`).
 
 * :mod:`~zkit.activations.settings`: the resolved settings of one process;
 * :mod:`~zkit.activations.storage`: where a checkpoint's saved inputs are kept (host copies,

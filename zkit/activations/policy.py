@@ -1,7 +1,7 @@
 """Checkpoint a model's blocks by policy, without editing the model, and undo it.
 
 A selected module's class is swapped for a subclass whose ``__call__`` runs the original call
-(forward *and* the module's hooks) inside :func:`zkit.checkpointing.checkpoint`. Parameter names,
+(forward *and* the module's hooks) inside :func:`zkit.activations.checkpointing.checkpoint`. Parameter names,
 ``state_dict`` keys and ``isinstance`` checks are unchanged, and hooks that fetch parameters
 (ZeRO stage 3) run again when the block is recomputed. :func:`remove` restores the classes.
 
@@ -37,7 +37,7 @@ class CheckpointWrapper:
     checkpoint_name: str
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from zkit.checkpointing import checkpoint_call
+        from zkit.activations.checkpointing import checkpoint_call
 
         call = super().__call__  # type: ignore[misc]  # nn.Module.__call__: hooks + forward
         return checkpoint_call(call, args, kwargs, name=self.checkpoint_name, **self.checkpoint_options)
@@ -104,18 +104,18 @@ def select_blocks(model: nn.Module, policy: Policy) -> list[tuple[str, nn.Module
 def apply(model: nn.Module, policy: Policy = "every", **options: Any) -> list[str]:
     """Checkpoint the blocks ``policy`` selects; returns their qualified names.
 
-    ``options`` are passed to every :func:`zkit.checkpointing.checkpoint` call (``use_reentrant``,
+    ``options`` are passed to every :func:`zkit.activations.checkpointing.checkpoint` call (``use_reentrant``,
     ``preserve_rng_state``, ``group``). Raises if the policy selects nothing or a selected block is
     already checkpointed."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"zkit.checkpointing.apply needs an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"zkit.activations.checkpointing.apply needs an nn.Module, got {type(model).__name__}")
     chosen = select_blocks(model, policy)
     if not chosen:
         raise ValueError(f"checkpoint policy {policy!r} selects no module of {type(model).__name__}")
     for name, module in chosen:
         if isinstance(module, CheckpointWrapper):
             raise ValueError(
-                f"module {name!r} is already checkpointed; call zkit.checkpointing.remove(model) first"
+                f"module {name!r} is already checkpointed; call zkit.activations.checkpointing.remove(model) first"
             )
     for name, module in chosen:
         module.__class__ = _wrapped_class(type(module))

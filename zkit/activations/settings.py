@@ -6,15 +6,16 @@ from typing import Any, Mapping
 import attrs
 import torch
 
-from zkit.alloc import Allocator
-from zkit.assembly import Assembly
-from zkit.communicator import Communicator
-from zkit.config.sections import ActivationCheckpointingConfig
+from zkit.core.allocator import Allocator
+from zkit.core.assembly import Assembly
+from zkit.core.communicator import Communicator
+from zkit.core.config.sections import ActivationCheckpointingConfig
+from zkit.core.config.structure import Context, structure
 
 
 @attrs.frozen(kw_only=True)
 class CheckpointSettings:
-    """What :func:`zkit.checkpointing.checkpoint` does besides recomputation.
+    """What :func:`zkit.activations.checkpointing.checkpoint` does besides recomputation.
 
     The first six fields are the ``activation_checkpointing`` config keys (DeepSpeed's names).
     ``group`` is the tensor-parallel communicator that ``partition_activations`` splits saved
@@ -60,7 +61,7 @@ class CheckpointSettings:
 
 def section_from(source: Any) -> tuple[ActivationCheckpointingConfig, Allocator | None]:
     """The ``activation_checkpointing`` section (and the engine's allocator, if any) of an
-    engine, a :class:`~zkit.config.ZkitConfig`, a section, a full config dict (one holding the
+    engine, a :class:`~zkit.core.config.ZkitConfig`, a section, a full config dict (one holding the
     key ``activation_checkpointing``) or a dict of the section's own keys."""
     if source is None:
         return ActivationCheckpointingConfig(), None
@@ -72,15 +73,13 @@ def section_from(source: Any) -> tuple[ActivationCheckpointingConfig, Allocator 
     if hasattr(source, "activation_checkpointing"):  # a ZkitConfig
         return source.activation_checkpointing, None
     if isinstance(source, Mapping):
-        from zkit.config.structure import Context, structure
-
         if "activation_checkpointing" in source:
             data, path = source["activation_checkpointing"], "activation_checkpointing"
         else:
             data, path = dict(source), "activation_checkpointing"
         return structure(ActivationCheckpointingConfig, data, path, Context(sections={})), None
     raise TypeError(
-        "zkit.checkpointing.configure takes an engine, a ZkitConfig, a config dict or an "
+        "zkit.activations.checkpointing.configure takes an engine, a ZkitConfig, a config dict or an "
         f"ActivationCheckpointingConfig, got {type(source).__name__}"
     )
 

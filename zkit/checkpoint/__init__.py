@@ -13,10 +13,10 @@ A model split over model-parallel ranks (pipeline stages, tensor slices) writes 
 checkpoint per part, in ``<dir>/<tag>/<part>/``, under one tag (:mod:`zkit.checkpoint.parts`).
 
 This is the ``"zkit"`` checkpoint format; the engine and ``zkit consolidate`` reach it, DCP, the
-Hugging Face export and any format a plugin registers through :mod:`zkit.checkpoint.formats`.
+Hugging Face export and any format a plugin registers through :mod:`zkit.core.checkpoint_formats`.
 """
 from zkit.checkpoint.consolidate import consolidate
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.load import load_checkpoint
 from zkit.checkpoint.save import save_checkpoint
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.engine import Engine
+    from zkit.core.engine import Engine
 
 
 def refuse_partial_accumulation(engine: "Engine") -> None:

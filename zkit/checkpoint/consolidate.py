@@ -37,12 +37,12 @@ from typing import Any
 import attrs
 import torch
 
-from zkit.checkpoint import formats
+from zkit.core import checkpoint_formats as formats
 from zkit.checkpoint.digest import Digest, verify_tensor
-from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import META, rank_file
+from zkit.core.checkpoint_errors import CheckpointError
+from zkit.core.checkpoint_files import META, rank_file
 from zkit.checkpoint.piece_source import PieceSource
-from zkit.plugins import ZkitPluginManager
+from zkit.core.plugin_manager import ZkitPluginManager
 
 #: elements cast and written at a time (16 MiB of fp32): bounds the memory a consolidation needs.
 CHUNK_ELEMENTS = 1 << 22

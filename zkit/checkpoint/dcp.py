@@ -27,15 +27,15 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from zkit.checkpoint import formats
+from zkit.core import checkpoint_formats as formats
 from zkit.checkpoint.consolidate import DTYPES, _piece_sources
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.optim_state import StatePlacer
 from zkit.checkpoint.piece_source import PieceSource
-from zkit.plugins import ZkitPluginManager
+from zkit.core.plugin_manager import ZkitPluginManager
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.engine import Engine
+    from zkit.core.engine import Engine
 
 log = logging.getLogger("zkit")
 

@@ -27,7 +27,7 @@ import torch
 
 from zkit.checkpoint import digest_kernel
 from zkit.checkpoint.digest_kernel import Kernel
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 
 _CHUNK = 1 << 16  # words per weighted-sum chunk: 512 KiB, read from memory once, then from cache
 _SLAB_MIN = 1 << 21  # words (16 MiB) below which a thread of its own does not pay

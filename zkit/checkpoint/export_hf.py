@@ -23,8 +23,8 @@ from pathlib import Path
 import attrs
 
 from zkit.checkpoint.consolidate import _Entry, plan_consolidation, write_file
-from zkit.checkpoint.errors import CheckpointError
-from zkit.plugins import ZkitPluginManager
+from zkit.core.checkpoint_errors import CheckpointError
+from zkit.core.plugin_manager import ZkitPluginManager
 
 #: ``save_pretrained``'s file names
 WEIGHTS = "model.safetensors"

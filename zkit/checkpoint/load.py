@@ -10,14 +10,14 @@ import torch
 
 from zkit.checkpoint import rng
 from zkit.checkpoint.digest import VerifiedCopies
-from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import file_digests, load_rank_file, rank_file, read_meta, resolve_tag
+from zkit.core.checkpoint_errors import CheckpointError
+from zkit.core.checkpoint_files import file_digests, load_rank_file, rank_file, read_meta, resolve_tag
 from zkit.checkpoint.optim_state import StatePlacer
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.engine import Engine
-    from zkit.partition import Piece
+    from zkit.core.engine import Engine
+    from zkit.core.partitioner import Piece
 
 
 def check_params(meta: dict[str, Any], engine: "Engine", where: Path) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 
 
 @runtime_checkable

@@ -1,6 +1,6 @@
 """One checkpoint tag as zkit's pieces: what consolidation and the exports read, whatever wrote it.
 
-A checkpoint format's ``pieces`` operation (:class:`zkit.records.CheckpointFormatRecord`) opens one
+A checkpoint format's ``pieces`` operation (:class:`zkit.core.records.CheckpointFormatRecord`) opens one
 tag's directory as a :class:`PieceSource`; :class:`RankFiles` is zkit's own.
 """
 from __future__ import annotations
@@ -10,8 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
-from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import load_rank_file, rank_file, read_meta
+from zkit.core.checkpoint_errors import CheckpointError
+from zkit.core.checkpoint_files import load_rank_file, rank_file, read_meta
 
 
 class PieceSource(Protocol):

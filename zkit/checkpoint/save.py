@@ -12,12 +12,12 @@ import torch
 from zkit.checkpoint import rng
 from zkit.checkpoint.accumulation import refuse_partial_accumulation
 from zkit.checkpoint.digest import payload_digests
-from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import FORMAT, LATEST, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
+from zkit.core.checkpoint_errors import CheckpointError
+from zkit.core.checkpoint_files import FORMAT, LATEST, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
 from zkit.checkpoint.parts import model_part
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.engine import Engine
+    from zkit.core.engine import Engine
 
 log = logging.getLogger("zkit")
 

@@ -1,4 +1,4 @@
-"""The parts of ``zkit estimate`` (the public API is :mod:`zkit.estimate`)."""
+"""The parts of ``zkit estimate`` (the public API is :mod:`zkit.estimator.command`)."""
 from zkit.estimator.activations import gpt_activation_bytes
 from zkit.estimator.model_states import OFFLOADS, STAGES, StateBytes, model_state_bytes, stage3_units
 

@@ -145,7 +145,7 @@ def model_state_bytes(
     parameters even with offload). Stage 3 only: ``largest_layer`` overrides the largest released
     unit in ``gathered_param`` (default: from the shapes); the ``stage3_*`` arguments are the
     config keys of the same names. ``align_elems``: the ``nvme`` allocator record's field of that
-    name, where its master store starts each unit (:mod:`zkit.estimate` passes the installed
+    name, where its master store starts each unit (:mod:`zkit.estimator.command` passes the installed
     record's)."""
     if stage not in STAGES:
         raise ValueError(f"ZeRO stage must be one of 0, 1, 2, 3, got {stage!r}")

@@ -6,7 +6,7 @@ The model is small enough to read in one sitting and is built to exercise the en
   ``tie_embeddings=True``), which ZeRO must partition, reduce and checkpoint once;
 * the transformer blocks are ``model.blocks`` (an :class:`~torch.nn.ModuleList`), where activation
   checkpointing and pipeline partitioning look for them;
-* attention is built by name through :func:`zkit.attention.build_attention`, so
+* attention is built by name through :func:`zkit.core.attention.build_attention`, so
   ``GPTConfig(attention="block_sparse")`` runs the ``zkit-sparse`` plugin when it is installed.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zkit.attention import build_attention
+from zkit.core.attention import build_attention
 
 
 def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:

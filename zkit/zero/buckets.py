@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from zkit import diagnostics
-from zkit.communicator import Handle
+from zkit.core import diagnostics
+from zkit.core.communicator import Handle
 
 
 class GradientBucketer:

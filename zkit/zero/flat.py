@@ -25,7 +25,7 @@ class Slot:
 
 
 @attrs.frozen
-class Piece:
+class SlotPiece:
     """The part of one parameter that falls inside one rank's shard of a unit."""
 
     slot: Slot
@@ -55,14 +55,14 @@ class Unit:
             raise ValueError(f"rank {rank} out of range for world size {self.world_size}")
         return rank * self.shard, (rank + 1) * self.shard
 
-    def pieces(self, rank: int) -> list[Piece]:
+    def pieces(self, rank: int) -> list[SlotPiece]:
         """The parameter ranges inside ``rank``'s shard, in unit order."""
         lo, hi = self.shard_range(rank)
         out = []
         for s in self.slots:
             a, b = max(lo, s.offset), min(hi, s.offset + s.numel)
             if a < b:
-                out.append(Piece(s, a - s.offset, b - s.offset, a - lo))
+                out.append(SlotPiece(s, a - s.offset, b - s.offset, a - lo))
         return out
 
 
@@ -105,7 +105,7 @@ def plan_units(
     return units
 
 
-def owned_pieces(units: Sequence[Unit], rank: int) -> list[tuple[Unit, Piece]]:
+def owned_pieces(units: Sequence[Unit], rank: int) -> list[tuple[Unit, SlotPiece]]:
     return [(u, p) for u in units for p in u.pieces(rank)]
 
 

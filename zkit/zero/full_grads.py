@@ -11,7 +11,7 @@ import contextlib
 import torch
 
 from zkit.zero.buckets import GradientBucketer
-from zkit.zero.partitioner import ZeroPartitioner
+from zkit.zero.zero_partitioner import ZeroPartitioner
 
 
 class FullGradientPartitioner(ZeroPartitioner):

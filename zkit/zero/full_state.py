@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.partition import Partitioner, Piece
+    from zkit.core.partitioner import Partitioner, Piece
 
 #: id(trained parameter) -> (the parameter, its partitioner), both weakly: the engine owns them
 #: (tensors compare elementwise, so they cannot be dictionary keys themselves)

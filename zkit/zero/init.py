@@ -24,8 +24,10 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from zkit import distributed, host_memory
-from zkit.assembly import Assembly
+from zkit.core import distributed, host_memory
+from zkit.core.assembly import Assembly
+from zkit.core.config import ZkitConfig
+from zkit.core.config.load import _read_json
 from zkit.zero.flat import plan_units
 from zkit.zero.param_refresh import wait_for_parameter_refresh
 from zkit.zero.sharded_params import ACTIVE, ShardedUnit, ZeroParameter
@@ -174,9 +176,6 @@ def _without_placeholders(config: Any) -> Any:
     ``zero.Init(config_dict_or_path=...)`` before it fills them in (scheduler steps, bucket sizes
     from the hidden size): the Init reads none of those keys, and the engine later gets the filled
     config and validates it whole."""
-    from zkit.config import ZkitConfig
-    from zkit.config.load import _read_json
-
     if config is None or isinstance(config, ZkitConfig):
         return config
     data = _read_json(Path(config)) if isinstance(config, (str, os.PathLike)) else config

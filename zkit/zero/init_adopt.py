@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from zkit import distributed
+from zkit.core import distributed
 from zkit.checkpoint.parts import model_part
 from zkit.zero.flat import plan_units
 from zkit.zero.sharded_params import ShardedUnit, ZeroParameter

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 from torch.overrides import TorchFunctionMode
 
-from zkit.communicator import Handle
+from zkit.core.communicator import Handle
 
 #: refreshes with gathers still in flight, so code that only has parameters can wait for them
 _IN_FLIGHT: "weakref.WeakSet[ParamRefresh]" = weakref.WeakSet()

@@ -24,8 +24,8 @@ from typing import Any, Callable, Iterable
 import torch
 import torch.nn.functional as F
 
-from zkit.copies import DONE, Copy
-from zkit.profiling import span
+from zkit.core.copies import DONE, Copy
+from zkit.core.profiling import span
 from zkit.zero.flat import Unit
 
 
@@ -238,7 +238,7 @@ class SpareBuffers:
     """Freed host buffers kept for the next request of the same size and dtype: stage 3's
     gathered units, and (in a pool of their own) the weight gradients its linear computes.
 
-    Where glibc's mmap threshold is fixed (:mod:`zkit.host_memory`: memory is tight, or an NVMe
+    Where glibc's mmap threshold is fixed (:mod:`zkit.core.host_memory`: memory is tight, or an NVMe
     offload runs), every freed large buffer is unmapped, and the next one of that size is mapped
     afresh and takes a page fault per 4 KiB page as it is written. A stage-3 step uses the same
     few sizes over and over, so keeping a few freed buffers saves those faults
@@ -365,7 +365,7 @@ class ShardedUnit:
         return self.full is not None and self.handle is None
 
     def stored_in(self, store: Any) -> None:
-        """The shard now lives in ``store`` (a :class:`~zkit.stores.ParamShardStore` that adopted
+        """The shard now lives in ``store`` (a :class:`~zkit.core.stores.ParamShardStore` that adopted
         it): the unit keeps none in memory and reads it through the store."""
         self.shard, self.store = None, store
 

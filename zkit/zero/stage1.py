@@ -5,7 +5,7 @@ state for that shard alone, and the updated shards are all-gathered back into ev
 parameters. Per-rank model states: 2Ψ + 2Ψ + 12Ψ/N.
 
 After the reduction only the rank's own slice of a gradient buffer is meaningful (the rest is
-the collective's scratch, see :meth:`zkit.communicator.Communicator.reduce_scatter`), as with DeepSpeed,
+the collective's scratch, see :meth:`zkit.core.communicator.Communicator.reduce_scatter`), as with DeepSpeed,
 whose stage-1 parameters carry no full gradient after backward either."""
 from __future__ import annotations
 

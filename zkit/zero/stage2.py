@@ -9,7 +9,7 @@ fit: :class:`~zkit.zero.buckets.ScratchRing`). Between steps neither the shards 
 the buckets exist: :meth:`zero_grad` hands them back. Per-rank model states: 2Ψ + 14Ψ/N;
 communication: the same 2Ψ as data parallelism (reduce-scatter + all-gather).
 
-With the optimizer offloaded (:meth:`~zkit.alloc.Allocator.grads_beside_master`), the shards are
+With the optimizer offloaded (:meth:`~zkit.core.allocator.Allocator.grads_beside_master`), the shards are
 fp32 ``"master_grad"`` buffers in host memory instead: each reduced chunk is copied out of its
 bucket on the compute stream as it completes (ZeRO-Offload), so the device holds no gradient
 shards at all, only the buckets; later micro-steps land in a host staging shard and are added at
@@ -22,7 +22,7 @@ import contextlib
 import torch
 
 from zkit.zero.buckets import GradientBucketer, ScratchRing
-from zkit.zero.partitioner import ZeroPartitioner
+from zkit.zero.zero_partitioner import ZeroPartitioner
 
 
 class Stage2(ZeroPartitioner):

@@ -23,7 +23,7 @@ from typing import Iterator
 import attrs
 import torch
 
-from zkit import diagnostics
+from zkit.core import diagnostics
 from zkit.zero.flat import Unit, persistent_units, plan_units
 from zkit.zero.init_adopt import stage3_groups
 from zkit.zero.returned import returned_params

@@ -20,8 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 import zkit
-from zkit.plugins import PluginError
-from zkit.records import OptimizerRecord
+from zkit.core.plugin_manager import PluginError
+from zkit.core.records import OptimizerRecord
 
 from zkit_cuda_numba import runtime
 
@@ -29,7 +29,7 @@ from zkit_cuda_numba import runtime
 def _fused_adam(param_groups, **params: Any):
     """The engine's FusedAdamCUDA: the config's Adam settings with DeepSpeed's names and defaults
     (``adam_w_mode`` true by default), stepping the partitioner's master views where they are."""
-    from zkit.builtin.optim_torch import adam_settings
+    from zkit.optim.plugin import adam_settings
     from zkit_cuda_numba.fused_adam import FusedAdamCUDA
 
     decoupled, kwargs = adam_settings("fused_adam_cuda", params)

@@ -270,7 +270,7 @@ def ds_tensor_of_stored_shards(nvme_root: str) -> dict:
 def nvme_memory_vs_estimate(nvme_root: str) -> dict:
     """``engine.memory()`` of NVMe-offloaded stages 2 and 3 after a step, next to the estimator's
     figures for the same model and config."""
-    from zkit.estimate import store_align_elems
+    from zkit.estimator.command import store_align_elems
     from zkit.estimator import model_state_bytes
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

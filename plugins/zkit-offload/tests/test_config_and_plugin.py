@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zkit
-from zkit.plugins import get_plugin_manager
+from zkit.core.plugin_manager import get_plugin_manager
 from zkit_offload import HostAllocator, plugin
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from zkit.estimator import model_state_bytes
-from zkit.estimate import estimate_memory, store_align_elems
-from zkit.plugins import get_plugin_manager
-from zkit.records import AllocatorRecord
-from zkit.stores import MasterStore
+from zkit.estimator.command import estimate_memory, store_align_elems
+from zkit.core.plugin_manager import get_plugin_manager
+from zkit.core.records import AllocatorRecord
+from zkit.core.stores import MasterStore
 from zkit_offload import plugin
 from zkit_offload.io_memory import ALIGN_ELEMS
 
@@ -79,7 +79,7 @@ def test_an_alignment_below_one_element_is_refused():
 
 
 def test_a_shard_moves_into_a_store_and_back_through_the_unit():
-    from zkit.alloc import Allocator
+    from zkit.core.allocator import Allocator
     from zkit.zero.flat import plan_units
     from zkit.zero.sharded_params import ShardedUnit
 

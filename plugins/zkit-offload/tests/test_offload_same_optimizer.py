@@ -34,7 +34,7 @@ def test_cpu_adam_type_names_follow_deepspeeds_default(runs):
 
 def test_a_weight_decay_default_differs_from_torchs():
     # the reference the cases rely on: AdamW's default decay here is DeepSpeed's 0, not torch's 0.01
-    from zkit.builtin.optim_torch import adam_settings
+    from zkit.optim.plugin import adam_settings
 
     assert adam_settings("adamw", {})[1]["weight_decay"] == 0.0
     assert adam_settings("adam", {})[0] is True

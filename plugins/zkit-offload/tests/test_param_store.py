@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from zkit.alloc import Allocator
+from zkit.core.allocator import Allocator
 from zkit_offload.param_store import NVMeParamStore
 from zkit_offload.swap import NVMeSwapper
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from zkit.alloc import Allocator
-from zkit.stores import MasterStore, ParamShardStore
+from zkit.core.allocator import Allocator
+from zkit.core.stores import MasterStore, ParamShardStore
 from zkit_offload import HostAllocator, NVMeAllocator
 from zkit_offload.config import OffloadOptimizerConfig, OffloadParamConfig
 

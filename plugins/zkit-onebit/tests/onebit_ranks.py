@@ -7,7 +7,7 @@ import io
 import torch
 import torch.distributed as dist
 
-from zkit.builtin.comm_torch import TorchCommunicator
+from zkit.torch_distributed.communicator import TorchCommunicator
 from zkit_onebit.adam import OneBitAdam
 from zkit_onebit.communicator import OneBitCommunicator
 
@@ -357,7 +357,7 @@ def onebit_checkpoint_into_adamw(save_dir: str) -> dict:
     """A OneBitAdam checkpoint past its freeze step, loaded into an AdamW engine: with its
     optimizer state (refused), and weights only (accepted, the weights equal)."""
     import zkit
-    from zkit.checkpoint.errors import CheckpointError
+    from zkit.core.checkpoint_errors import CheckpointError
 
     engine, _ = _engine(1, "fp32", 2, "OneBitAdam")
     _engine_steps(engine, 0, 4)

@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-from zkit.communicator import Communicator
-from zkit.partition import Partitioner
-from zkit.stash import Stash
-from zkit.plugins import PluginError, get_plugin_manager
+from zkit.core.communicator import Communicator
+from zkit.core.partitioner import Partitioner
+from zkit.core.stash import Stash
+from zkit.core.plugin_manager import PluginError, get_plugin_manager
 from zkit_onebit.adam import OneBitAdam, make_onebit_adam
 from zkit_onebit.communicator import OneBitCommunicator
 from zkit_onebit.zeroone_adam import ZeroOneAdam, make_zero_one_adam
@@ -177,8 +177,8 @@ def test_stage2_refuses_a_communicator_that_is_not_onebit():
 
 
 def test_the_optimizer_record_chooses_its_communicator_unless_the_stack_does():
-    from zkit.config import load_config
-    from zkit.stack import Stack, configure
+    from zkit.core.config import load_config
+    from zkit.core.stack import Stack, configure
 
     pm = get_plugin_manager()
     config = load_config({"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "OneBitAdam"},

@@ -89,7 +89,7 @@ def test_bad_pipeline_modules_are_named(kwargs, message):
 
 
 def test_schedules_are_registered_as_step_records():
-    from zkit.plugins import get_plugin_manager
+    from zkit.core.plugin_manager import get_plugin_manager
 
     pm = get_plugin_manager()
     for name in ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1"):
@@ -98,9 +98,9 @@ def test_schedules_are_registered_as_step_records():
 
 
 def test_pipeline_checkpointing_follows_the_activation_checkpointing_config():
-    """activation_checkpoint_interval runs through zkit.checkpointing: the configured profile
+    """activation_checkpoint_interval runs through zkit.activations.checkpointing: the configured profile
     (and CPU copies) apply, and the gradients are those without checkpointing."""
-    from zkit import checkpointing
+    from zkit.activations import checkpointing
 
     torch.manual_seed(0)
     layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()]
@@ -125,9 +125,9 @@ def test_pipeline_checkpointing_follows_the_activation_checkpointing_config():
 def test_deepspeeds_pipeline_section_loads_and_says_where_each_choice_is_made(caplog):
     import logging
 
-    from zkit.config import ConfigError, load_config
-    from zkit.config.structure import _WARNED
-    from zkit.plugins import get_plugin_manager
+    from zkit.core.config import ConfigError, load_config
+    from zkit.core.config.structure import _WARNED
+    from zkit.core.plugin_manager import get_plugin_manager
 
     sections = get_plugin_manager().config_sections()
     _WARNED.discard("pipeline.partition")

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkit.builtin.comm_torch import TorchCommunicator
+from zkit.torch_distributed.communicator import TorchCommunicator
 from zkit_pipeline.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -121,7 +121,7 @@ def partition_activations_from_config() -> dict:
     """A TensorParallelModule engine whose config alone turns partition_activations on: the
     checkpointing settings split saved inputs over the model's tensor-parallel ranks."""
     import zkit
-    from zkit import checkpointing
+    from zkit.activations import checkpointing
     from zkit_pipeline.tensor_parallel.module import TensorParallelModule
     from zkit_pipeline.topology import ProcessGrid
     from zkit_pipeline.tp_gpt import GPTConfig, TensorParallelGPT

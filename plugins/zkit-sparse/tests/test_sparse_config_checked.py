@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zkit.config import ConfigError, load_config
-from zkit.plugins import get_plugin_manager
+from zkit.core.config import ConfigError, load_config
+from zkit.core.plugin_manager import get_plugin_manager
 
 
 def _load(section: dict) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import warnings
 
 import zkit
-from zkit.records import ConfigSectionRecord, OptimizerRecord
+from zkit.core.records import ConfigSectionRecord, OptimizerRecord
 from zkit_example_plugin.section import GradNormWatchConfig
 from zkit_example_plugin.signum import Signum
 from zkit_example_plugin.watch import HISTORY, NormHistory

@@ -1,12 +1,12 @@
 """The plugin's own config section, ``"grad_norm_watch"``, declared like the kernel's sections:
-an attrs frozen class whose fields are ``zkit.config.fields.setting`` (type check from the
+an attrs frozen class whose fields are ``zkit.core.config.fields.setting`` (type check from the
 annotation, range checks, a doc). The loader structures the user's dict into it with the kernel's
 strictness: an unknown key names the closest valid one, a bad value names the key and the rule."""
 from __future__ import annotations
 
 import attrs
 
-from zkit.config.fields import above, at_least, setting
+from zkit.core.config.fields import above, at_least, setting
 
 
 @attrs.frozen(kw_only=True)

@@ -5,7 +5,7 @@ from typing import Any
 
 import attrs
 
-from zkit.stash import StashKey
+from zkit.core.stash import StashKey
 from zkit_example_plugin.section import GradNormWatchConfig
 
 

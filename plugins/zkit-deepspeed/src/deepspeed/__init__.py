@@ -3,7 +3,7 @@
 DeepSpeed (Hugging Face Trainer and Accelerate included) trains on zkit's engine.
 
 A thin layer: every name maps onto zkit's own API, with DeepSpeed's signatures and semantics
-(DeepSpeed 0.19.8's). ``initialize`` builds a :class:`zkit.engine.Engine`; ``comm`` is
+(DeepSpeed 0.19.8's). ``initialize`` builds a :class:`zkit.core.engine.Engine`; ``comm`` is
 ``torch.distributed`` under DeepSpeed's names (:mod:`deepspeed.comm.comm`); ``zero`` is
 :mod:`zkit.zero` plus DeepSpeed's extra names; ``accelerator`` is the device this process trains
 on (:mod:`deepspeed.accelerator.real_accelerator`); ``pipe`` and the CPU optimizers in ``ops``
@@ -68,7 +68,7 @@ def initialize(
     optimizer, training_dataloader, lr_scheduler)``. The config comes from ``config``, else
     ``config_params``, else ``args.deepspeed_config`` (or the older ``args.deepscale_config``);
     giving it both in ``config`` and in ``args`` is an error, as in DeepSpeed."""
-    from zkit.engine import initialize as zkit_initialize
+    from zkit.core.engine import initialize as zkit_initialize
 
     if mesh_param is not None:
         raise ValueError("deepspeed.initialize(mesh_param=...) is not supported: zkit-pipeline's ProcessGrid builds "

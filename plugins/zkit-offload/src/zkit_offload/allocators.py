@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 
 import torch
 
-from zkit.alloc import Allocator
+from zkit.core.allocator import Allocator
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.cpu_optimizer import FusedCPUOptimizer
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from zkit.host_memory import return_freed_memory
+from zkit.core.host_memory import return_freed_memory
 from zkit_offload.param_store import NVMeParamStore
 from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups, subgroup_key
 from zkit_offload.swap import NVMeSwapper, aligned_empty

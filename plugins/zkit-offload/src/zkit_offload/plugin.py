@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import zkit
-from zkit.records import AllocatorRecord, ConfigSectionRecord, OptimizerRecord
+from zkit.core.records import AllocatorRecord, ConfigSectionRecord, OptimizerRecord
 
 from zkit_offload.io_memory import ALIGN_ELEMS
 from zkit_offload.config import (AioConfig, OffloadOptimizerConfig, OffloadParamConfig, check_step_in_backward,
@@ -22,10 +22,10 @@ CPU_OPTIMIZER_FOR = {"adam": "cpu_adam", "adamw": "cpu_adamw", "adagrad": "cpu_a
 
 def _offloaded_adam(kind: str, param_groups, params: dict[str, Any]):
     """The CPU Adam for a config's ``kind`` (``"adam"``/``"adamw"``): the same settings and
-    defaults as without offload (``zkit.builtin.optim_torch.adam_settings``: ``"Adam"`` is AdamW
+    defaults as without offload (``zkit.optim.plugin.adam_settings``: ``"Adam"`` is AdamW
     unless ``adam_w_mode`` is false; ``weight_decay`` defaults to 0), so offloading never changes
     what the optimizer computes."""
-    from zkit.builtin.optim_torch import adam_settings
+    from zkit.optim.plugin import adam_settings
     from zkit_offload.cpu_adam import CPUAdam, CPUAdamW
 
     params = dict(params)

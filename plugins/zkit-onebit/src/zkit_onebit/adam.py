@@ -9,7 +9,7 @@ exchanged keeps the convergence. What is exchanged depends on how the states are
 * **ZeRO stage 0** (replicated states): each rank updates its momentum with its *local* gradient
   and the momenta are averaged with the two-phase compressed all-reduce (DeepSpeed's algorithm);
   the partitioner stops reducing gradients (it asks :attr:`OneBitAdam.needs_gradient_reduction`,
-  the :class:`zkit.partition.ReductionPolicy` protocol), and the engine's gradient norm becomes
+  the :class:`zkit.core.partitioner.ReductionPolicy` protocol), and the engine's gradient norm becomes
   the root mean square of the local norms (the plugin's ``zkit_grad_norm`` wrapper).
 * **ZeRO stages 1 and 2** (sharded optimizer states): a rank holds the momentum of its shard only,
   so it cannot compress a full local momentum. Instead the partitioner keeps reducing gradients,
@@ -36,7 +36,7 @@ from typing import Any, Hashable, Iterable
 import torch
 import torch.distributed as dist
 
-from zkit.communicator import Communicator
+from zkit.core.communicator import Communicator
 from zkit_onebit.collectives import compressed_all_reduce
 from zkit_onebit.communicator import OneBitCommunicator
 from zkit_onebit.compression import ChunkLayout, ErrorFeedback, LiveMask

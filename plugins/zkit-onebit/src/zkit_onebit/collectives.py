@@ -1,4 +1,4 @@
-"""Compressed collectives over any :class:`zkit.communicator.Communicator` (the transport).
+"""Compressed collectives over any :class:`zkit.core.communicator.Communicator` (the transport).
 
 ``compressed_all_reduce`` is the two-phase algorithm of 1-bit Adam (Tang et al., 2021):
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from zkit.communicator import Communicator
+from zkit.core.communicator import Communicator
 from zkit_onebit.compression import ChunkLayout, ErrorFeedback, LiveMask, compress_rows_, decode_packets
 
 COMPRESSIBLE_OPS = ("sum", "avg")

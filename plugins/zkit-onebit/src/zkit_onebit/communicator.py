@@ -18,7 +18,7 @@ from typing import Any, Hashable, Sequence
 import torch
 import torch.distributed as dist
 
-from zkit.communicator import Communicator, DoneHandle, check_op
+from zkit.core.communicator import Communicator, DoneHandle, check_op
 from zkit_onebit.collectives import compressed_all_reduce, compressed_reduce_scatter
 from zkit_onebit.compression import ChunkLayout, ErrorFeedback
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 import zkit
-from zkit.records import CommunicatorRecord, OptimizerRecord
+from zkit.core.records import CommunicatorRecord, OptimizerRecord
 from zkit_onebit import __version__
 from zkit_onebit.adam import OneBitAdam, make_onebit_adam
 from zkit_onebit.communicator import OneBitCommunicator, make_onebit_communicator

@@ -32,7 +32,7 @@ from typing import Any, Iterable
 
 import torch
 
-from zkit.communicator import Communicator
+from zkit.core.communicator import Communicator
 from zkit_onebit.adam import DEFAULT_BUCKET_NUMEL, OneBitAdam
 from zkit_onebit.compression import ChunkLayout
 from zkit_onebit.params import check_adam_values, check_names, check_positive_ints

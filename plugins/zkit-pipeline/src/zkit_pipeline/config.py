@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from zkit.config.fields import setting
+from zkit.core.config.fields import setting
 
 
 @attrs.frozen(kw_only=True)
@@ -32,7 +32,7 @@ class PipelineSectionConfig:
     )
     activation_checkpoint_interval: int = setting(
         0, doc="Layers per activation-checkpointed run.",
-        hint="set PipelineModule(activation_checkpoint_interval=...); it checkpoints through zkit.checkpointing",
+        hint="set PipelineModule(activation_checkpoint_interval=...); it checkpoints through zkit.activations.checkpointing",
     )
     pipe_partitioned: bool = setting(
         True, doc="Split activations sent between stages over the tensor-parallel ranks.",
@@ -44,5 +44,5 @@ class PipelineSectionConfig:
     )
     use_reentrant: bool = setting(
         True, doc="Reentrant activation checkpointing.",
-        hint="the pipeline's activation checkpointing runs non-reentrant (zkit.checkpointing)",
+        hint="the pipeline's activation checkpointing runs non-reentrant (zkit.activations.checkpointing)",
     )

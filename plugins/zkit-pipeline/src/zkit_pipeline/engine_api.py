@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from zkit.stash import StashKey
+from zkit.core.stash import StashKey
 from zkit_pipeline.grid_norm import GridNorm, replication_weights
 from zkit_pipeline.module import PipelineModule
 from zkit_pipeline.tensor_parallel.module import TensorParallelModule
@@ -41,7 +41,7 @@ def setup(engine: Any) -> None:
         module.bind_communicators(engine.assembly)
     tensor_group = _tensor_group(module)
     if tensor_group is not None and engine.config.activation_checkpointing.partition_activations:
-        from zkit import checkpointing
+        from zkit.activations import checkpointing
 
         checkpointing.configure(engine, group=tensor_group)
     tensor_degree = 1 if tensor_group is None else torch.distributed.get_world_size(tensor_group)

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import torch
 
-from zkit.partition import ReducedGradients
+from zkit.core.partitioner import ReducedGradients
 
 
 def replication_weights(module: torch.nn.Module, tensor_degree: int, tied_copies: Mapping[int, int]) -> dict[int, float]:
@@ -39,7 +39,7 @@ class GridNorm:
     ``zkit_grad_norm`` wrapper applies it to the answer it wraps. ``weights`` as from
     :func:`replication_weights`; ``model_comm`` sums over the model-parallel (pipe x tensor)
     group. Weighing replicated parameters reads their reduced gradients, which needs a
-    partitioner that shows them (:class:`zkit.partition.ReducedGradients`): refused at set-up
+    partitioner that shows them (:class:`zkit.core.partitioner.ReducedGradients`): refused at set-up
     otherwise."""
 
     def __init__(self, partitioner: Any, weights: Mapping[int, float], model_comm: Any) -> None:

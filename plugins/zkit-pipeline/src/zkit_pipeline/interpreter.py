@@ -18,8 +18,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from zkit.assembly import Assembly
-from zkit.microstep import MicroStep
+from zkit.core.assembly import Assembly
+from zkit.core.microstep import MicroStep
 from zkit_pipeline.module import PipelineModule
 from zkit_pipeline.probe import StageProbe
 from zkit_pipeline.schedules import (
@@ -51,7 +51,7 @@ class PipelineRunner:
     ``step`` is called at ``OptimizerStep`` (``engine.apply_step``, or a plain optimizer's step
     and zero_grad). ``partitioner`` (ZeRO) reduces data-parallel gradients; without one, gradients
     are averaged over the data axis of ``grid``. ``micro_step`` (an engine's
-    :class:`zkit.microstep.MicroStep`) scales the loss and runs around every backward that
+    :class:`zkit.core.microstep.MicroStep`) scales the loss and runs around every backward that
     accumulates weight gradients, with the hooks and the partitioner's reduction, as
     ``engine.backward`` does; without one the loss is averaged over the micro-batches.
     Construction is collective (creates groups).

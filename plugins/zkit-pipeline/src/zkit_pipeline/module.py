@@ -20,8 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkit.checkpointing import checkpoint
-from zkit.deferred_communicator import DeferredCommunicator
+from zkit.activations.checkpointing import checkpoint
+from zkit.core.deferred_communicator import DeferredCommunicator
 from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
 from zkit_pipeline.topology import ProcessGrid
 
@@ -85,7 +85,7 @@ class PipelineModule(nn.Module):
     ``virtual_stages = v`` the layers are cut into ``num_stages * v`` parts and this stage holds
     parts ``stage_id, stage_id + p, ...`` (for interleaved schedules).
     ``activation_checkpoint_interval = k > 0`` recomputes each run of ``k`` layers in backward
-    instead of keeping its activations, through :func:`zkit.checkpointing.checkpoint`: the
+    instead of keeping its activations, through :func:`zkit.activations.checkpointing.checkpoint`: the
     engine's ``activation_checkpointing`` section applies (``cpu_checkpointing``, ``profile``, and
     ``partition_activations`` over the stage's tensor-parallel ranks).
 

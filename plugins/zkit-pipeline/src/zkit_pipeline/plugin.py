@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import zkit
-from zkit.records import ConfigSectionRecord, SchedulerRecord
+from zkit.core.records import ConfigSectionRecord, SchedulerRecord
 
 from zkit_pipeline import __version__
 from zkit_pipeline.schedules import BUILTIN_SCHEDULES

@@ -22,7 +22,7 @@ from typing import Any, Callable, NamedTuple
 import numpy as np
 import torch.distributed as dist
 
-from zkit.assembly import Assembly
+from zkit.core.assembly import Assembly
 
 AXES = ("pipe", "data", "tensor")
 
@@ -127,7 +127,7 @@ class ProcessGrid:
         the pipe x tensor group that holds one whole model replica.
 
         ``communicator(group, config)`` is a communicator record's factory (default: the
-        communicator an :class:`~zkit.assembly.Assembly` of ``config`` gives each group)."""
+        communicator an :class:`~zkit.core.assembly.Assembly` of ``config`` gives each group)."""
         groups = self.build_groups(rank)
         if communicator is None:
             assembly = Assembly.build(config)

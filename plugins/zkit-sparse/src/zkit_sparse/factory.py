@@ -31,7 +31,7 @@ def make_block_sparse_attention(
     directly (``mode="bigbird", block=64, ...``); the last two need ``num_heads``. ``causal``
     defaults to True like the dense attention, so switching ``dense`` <-> ``block_sparse`` keeps
     a decoder causal. ``head_dim`` is part of the geometry every attention factory receives
-    (see :mod:`zkit.attention`); the block layout does not depend on it.
+    (see :mod:`zkit.core.attention`); the block layout does not depend on it.
     """
     if head_dim is not None and (type(head_dim) is not int or head_dim < 1):
         raise ValueError(f"block_sparse attention: head_dim must be a positive int, got {head_dim!r}")

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import zkit
-from zkit.records import AttentionRecord, ConfigSectionRecord
+from zkit.core.records import AttentionRecord, ConfigSectionRecord
 
 from zkit_sparse import backends
 from zkit_sparse.config import SparseAttentionConfig

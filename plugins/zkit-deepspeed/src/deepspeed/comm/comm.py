@@ -5,11 +5,11 @@ DeepSpeed script.
 Every function runs the ``torch.distributed`` collective on the same process group the engine
 trains on; ``init_distributed`` joins it the way the engine does (torchrun's environment, or a
 world of one process without it). Plugins do not use this module: they talk to the
-:class:`zkit.communicator.Communicator` the stack gives them, which counts bytes and may compress.
+:class:`zkit.core.communicator.Communicator` the stack gives them, which counts bytes and may compress.
 
 Differences from DeepSpeed's module, each on purpose: there is no MPI discovery (ranks come from
 ``zkit run``/torchrun's environment), and the communication logger (``prof=``, ``log_name=``)
-is accepted and ignored: ``zkit.diagnostics`` times collectives instead.
+is accepted and ignored: ``zkit.core.diagnostics`` times collectives instead.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as _dist
 
-from zkit.distributed import default_backend, ensure_initialized
+from zkit.core.distributed import default_backend, ensure_initialized
 
 ReduceOp = _dist.ReduceOp
 P2POp = _dist.P2POp
@@ -234,6 +234,6 @@ def batch_isend_irecv(p2p_op_list: list, **_logging: Any) -> Any:
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
-    """DeepSpeed's communication-logger summary. zkit keeps no such log (``zkit.diagnostics``
+    """DeepSpeed's communication-logger summary. zkit keeps no such log (``zkit.core.diagnostics``
     times collectives per phase instead): an empty summary."""
     return {} if return_dict else None

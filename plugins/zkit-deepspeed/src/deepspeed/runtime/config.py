@@ -1,10 +1,10 @@
 """``deepspeed.runtime.config``: ``DeepSpeedConfig``, a validated config with DeepSpeed's
-attribute names, read from :class:`zkit.config.ZkitConfig`."""
+attribute names, read from :class:`zkit.core.config.ZkitConfig`."""
 from __future__ import annotations
 
 from typing import Any
 
-from zkit.config import ConfigError, ZkitConfig, load_config
+from zkit.core.config import ConfigError, ZkitConfig, load_config
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
@@ -24,7 +24,7 @@ class DeepSpeedConfig:
     ``gradient_accumulation_steps``, ``gradient_clipping``, ``steps_per_print``, ``zero_enabled``,
     ``zero_optimization_stage``, ``fp16_enabled``, ``bfloat16_enabled``, ``optimizer_name``,
     ``optimizer_params``, ``scheduler_name``, ``scheduler_params``, ``wall_clock_breakdown``;
-    ``zkit_config`` is the whole :class:`~zkit.config.ZkitConfig`."""
+    ``zkit_config`` is the whole :class:`~zkit.core.config.ZkitConfig`."""
 
     def __init__(self, config: Any, mpu: Any = None, mesh_device: Any = None) -> None:
         if mpu is not None or mesh_device is not None:
@@ -32,7 +32,7 @@ class DeepSpeedConfig:
                              "from zkit-pipeline's topology")
         import torch.distributed as dist
 
-        from zkit.plugins import get_plugin_manager
+        from zkit.core.plugin_manager import get_plugin_manager
 
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.zkit_config: ZkitConfig = load_config(config, world_size=world,

@@ -6,7 +6,7 @@ alias, assignments are validated, ``"auto"`` values are dropped unless ``strict=
 Face fills them in later), and a field marked deprecated in ``json_schema_extra``
 (``{"deprecated": True, "new_param": "x", "new_param_fn": f, "set_new_param": True,
 "deprecated_msg": "..."}``) moves its value to ``new_param`` with a warning. zkit's own config is
-:mod:`zkit.config` (frozen attrs classes); this module needs pydantic 2.
+:mod:`zkit.core.config` (frozen attrs classes); this module needs pydantic 2.
 """
 from __future__ import annotations
 

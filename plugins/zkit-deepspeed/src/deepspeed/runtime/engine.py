@@ -1,5 +1,5 @@
 """``deepspeed.runtime.engine``: ``DeepSpeedEngine``, the class ``deepspeed.initialize`` returns an
-instance of: :class:`zkit.engine.Engine` plus the accessors only DeepSpeed code reads (ranks,
+instance of: :class:`zkit.core.engine.Engine` plus the accessors only DeepSpeed code reads (ranks,
 the precision flags, ``steps_per_print``). zkit's own engine keeps the accessors zkit itself uses
 (``zero_optimization_stage``, ``train_batch_size``, ``get_lr``, ...)."""
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from zkit.engine import Engine
+from zkit.core.engine import Engine
 
 __all__ = ["DeepSpeedEngine"]
 

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from zkit.checkpoint.consolidate import Plan, _Entry, plan_consolidation, write_file
-from zkit.checkpoint.errors import CheckpointError
-from zkit.checkpoint.files import META, load_rank_file, rank_file, read_latest, read_meta
+from zkit.core.checkpoint_errors import CheckpointError
+from zkit.core.checkpoint_files import META, load_rank_file, rank_file, read_latest, read_meta
 from zkit_deepspeed.checkpoint.layout import looks_like_deepspeed
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit_deepspeed.checkpoint import stage3, stage12
 from zkit_deepspeed.checkpoint.layout import Layout, detect
 from zkit_deepspeed.checkpoint.unpickler import load_file

@@ -1,4 +1,4 @@
-"""The ``"deepspeed"`` checkpoint format (:class:`zkit.records.CheckpointFormatRecord`): zkit
+"""The ``"deepspeed"`` checkpoint format (:class:`zkit.core.records.CheckpointFormatRecord`): zkit
 recognises a DeepSpeed checkpoint directory (``latest`` naming ``global_step*/`` with
 ``mp_rank_*_model_states.pt`` and ZeRO ``*_optim_states.pt`` files) and loads it into an engine
 (:mod:`~zkit_deepspeed.checkpoint.load`) or reads its pieces for ``zkit consolidate`` and the
@@ -10,14 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkit.checkpoint.files import META, tag_directory
-from zkit.records import CheckpointFormatRecord
+from zkit.core.checkpoint_files import META, tag_directory
+from zkit.core.records import CheckpointFormatRecord
 from zkit_deepspeed.checkpoint.checkpoint import open_checkpoint
 from zkit_deepspeed.checkpoint.layout import looks_like_deepspeed
 from zkit_deepspeed.checkpoint.load import load_deepspeed_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.engine import Engine
+    from zkit.core.engine import Engine
 
 
 def is_deepspeed(path: Path, tag: str | None) -> bool:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import attrs
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 _ZERO_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")

@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.load import check_params, fill_pieces, load_module_extras
 from zkit.checkpoint.parts import LayerNamed, model_part
 from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint, open_checkpoint
 from zkit_deepspeed.checkpoint.pipeline import DeepSpeedPipelineCheckpoint, StageView
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.engine import Engine
+    from zkit.core.engine import Engine
 
 log = logging.getLogger("zkit")
 

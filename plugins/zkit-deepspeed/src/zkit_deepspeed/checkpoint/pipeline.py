@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 from zkit_deepspeed.checkpoint.layout import Layout, pipeline_stages
 from zkit_deepspeed.checkpoint.unpickler import load_file

@@ -17,7 +17,7 @@ from typing import Any
 import attrs
 import torch
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 
 
 @attrs.frozen

@@ -13,7 +13,7 @@ from typing import Any
 
 import attrs
 
-from zkit.checkpoint.errors import CheckpointError
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit_deepspeed.checkpoint.stage12 import slice_state
 
 

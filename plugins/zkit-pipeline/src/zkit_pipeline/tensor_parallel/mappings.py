@@ -1,7 +1,7 @@
 """The four autograd functions tensor parallelism is built from (Megatron-LM's f and g operators).
 
 Each is a pair of collectives on the tensor-parallel group, one in forward and its adjoint in
-backward. ``comm`` is a :class:`zkit.communicator.Communicator` over that group; ``None`` or a group of one
+backward. ``comm`` is a :class:`zkit.core.communicator.Communicator` over that group; ``None`` or a group of one
 rank makes every function the identity, so the same layers run unsharded.
 """
 from __future__ import annotations

@@ -2,7 +2,7 @@
 model of the ``zero_optimization`` section, for code that builds or reads one (transformers and
 DeepSpeed's tests do). It validates as DeepSpeed's does (aliases such as
 ``stage3_prefetch_bucket_size``, deprecated keys moved to their replacements, unknown keys
-refused); the engine itself reads the section through :mod:`zkit.config`.
+refused); the engine itself reads the section through :mod:`zkit.core.config`.
 """
 from __future__ import annotations
 

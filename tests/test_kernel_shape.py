@@ -1,0 +1,97 @@
+"""The kernel's shape holds: ``zkit/core`` imports no built-in package and no plugin distribution,
+has no import circle (function-local imports counted), and nothing outside tests builds the torch
+communicator directly; the built-ins that left the engine (monitor, ZeRO's model preparation,
+activation checkpointing) are reached through their hooks, so a plugin can replace them."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import zkit
+from zkit.core.telemetry import NoMonitor
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report():
+    spec = importlib.util.spec_from_file_location("kernel_report", ROOT / "tools" / "kernel_report.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kernel_report"] = module
+    spec.loader.exec_module(module)
+    return module.report(ROOT / "zkit", ROOT)
+
+
+def test_the_core_imports_nothing_outside_it(report):
+    assert report["core_imports_outside_core"] == []
+
+
+def test_no_plugin_distribution_is_imported_and_no_communicator_built_directly(report):
+    assert report["plugin_imports"] == []
+    assert report["communicator_constructions"] == []
+
+
+def test_the_core_has_no_import_circle_even_counting_function_local_imports(report):
+    assert [c for c in report["circles_with_local_imports"] if any(m.startswith("zkit.core") for m in c)] == []
+    assert report["circles"] == []
+
+
+class RecordingMonitor:
+    enabled = True
+
+    def __init__(self):
+        self.events, self.closed = [], 0
+
+    def write_events(self, events):
+        self.events.extend(events)
+
+    def flush(self):
+        pass
+
+    def close(self):
+        self.closed += 1
+
+
+class Plugin:
+    def __init__(self):
+        self.monitor = RecordingMonitor()
+        self.prepared = []
+
+    @zkit.hookimpl
+    def zkit_make_monitor(self, engine):
+        return self.monitor
+
+    @zkit.hookimpl
+    def zkit_prepare_model(self, model, stage, world_size):
+        self.prepared.append((type(model).__name__, stage, world_size))
+
+
+def _train(stack, steps=2):
+    torch.manual_seed(0)
+    cfg = {"train_batch_size": 2, "steps_per_print": 1, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zkit.initialize(model=torch.nn.Linear(3, 1), config=cfg, stack=stack)
+    for _ in range(steps):
+        engine.backward(engine(torch.randn(2, 3)).square().mean())
+        engine.step()
+    engine.close()
+    return engine
+
+
+def test_a_plugins_monitor_and_model_preparation_are_used():
+    plugin = Plugin()
+    engine = _train(zkit.Stack(plugins=[plugin]))
+    assert engine.monitor is plugin.monitor and plugin.monitor.closed == 1
+    assert [step for tag, _, step in plugin.monitor.events if tag == "Train/loss"] == [1, 2]
+    assert plugin.prepared == [("Linear", 2, 1)]
+
+
+def test_without_the_monitor_plugin_the_engine_writes_nothing(monkeypatch):
+    monkeypatch.setenv("ZKIT_BLOCK_PLUGINS", "zkit.monitor")
+    engine = _train(None, steps=1)
+    assert isinstance(engine.monitor, NoMonitor)
+    engine.monitor.write_events([("Eval/loss", 1.0, 1)])  # user code may still call it

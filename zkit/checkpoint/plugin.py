@@ -1,0 +1,53 @@
+"""zkit's built-in checkpoint formats: its own sharded format (``"zkit"``), PyTorch Distributed
+Checkpoint (``"dcp"``, what torchtitan and FSDP2 save) both ways, and Hugging Face's
+``save_pretrained`` directory (``"hf"``, export only)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import zkit
+from zkit.checkpoint.dcp import is_dcp, load_dcp, write_dcp
+from zkit.checkpoint.export_hf import looks_like_hf, write_hf_pretrained
+from zkit.core.checkpoint_files import META, tag_directory
+from zkit.checkpoint.load import load_checkpoint
+from zkit.checkpoint.piece_source import RankFiles
+from zkit.checkpoint.save import save_checkpoint
+from zkit.core.records import CheckpointFormatRecord
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit.core.engine import Engine
+
+
+def _is_zkit(path: Path, tag: str | None) -> bool:
+    where = tag_directory(path, tag)
+    return where is not None and (where / META).is_file()
+
+
+def _is_dcp(path: Path, tag: str | None) -> bool:
+    return tag is None and is_dcp(path)  # a DCP directory has no tags
+
+
+def _is_hf(path: Path, tag: str | None) -> bool:
+    return tag is None and looks_like_hf(path)
+
+
+def _load_dcp(engine: "Engine", path: Path, tag: str | None, *, load_optimizer_states: bool,
+              load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
+    return load_dcp(engine, path, load_optimizer_states=load_optimizer_states)  # DCP holds no LR schedule
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_register_checkpoint_formats():
+    yield CheckpointFormatRecord(
+        name="dcp", detect=_is_dcp, load=_load_dcp, export=write_dcp,
+        description="PyTorch Distributed Checkpoint (torchtitan, FSDP2): weights and optimizer state by name",
+    )
+    yield CheckpointFormatRecord(
+        name="zkit", detect=_is_zkit, load=load_checkpoint, save=save_checkpoint, pieces=RankFiles,
+        description="zkit's sharded checkpoint: rank files of pieces, resharded at load",
+    )
+    yield CheckpointFormatRecord(
+        name="hf", detect=_is_hf, export=write_hf_pretrained,
+        description="a Hugging Face save_pretrained directory: config.json and safetensors shards",
+    )

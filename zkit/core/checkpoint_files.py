@@ -1,0 +1,163 @@
+"""File-level helpers: atomic writes, safe reads, the metadata format."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import torch
+
+from zkit.core.checkpoint_errors import CheckpointError
+
+META = "meta.msgpack"
+LATEST = "latest"
+FORMAT = "zkit-checkpoint"
+#: 2: every tensor of every rank file has a checksum in the metadata (``checksums``)
+VERSION = 2
+
+
+def rank_file(rank: int) -> str:
+    return f"rank_{rank:05d}.pt"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary in the same directory and a rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise _write_error(path, exc) from exc
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        try:
+            with open(tmp, "wb") as f:  # a Python file: a failed write raises OSError with its errno
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as exc:
+            raise _write_error(path, exc) from exc
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _write_error(path: Path, exc: BaseException) -> BaseException:
+    """A failed write that names the file and, when the disk is full, says so (torch's own
+    message for it is 'basic_ios::clear: iostream error')."""
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not full:
+        with contextlib.suppress(OSError):
+            full = shutil.disk_usage(path.parent).free < (1 << 20)
+    if full:
+        return CheckpointError(f"{path}: no space left on device while writing the checkpoint; free space and save again")
+    return CheckpointError(f"{path}: writing the checkpoint failed ({type(exc).__name__}: {exc})")
+
+
+def write_meta(path: Path, meta: dict[str, Any]) -> None:
+    atomic_write_bytes(path, msgpack.packb(meta, use_bin_type=True))
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    path = directory / META
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no checkpoint metadata (is {directory} a zkit checkpoint?)")
+    try:
+        meta = msgpack.unpackb(path.read_bytes(), raw=False, strict_map_key=False)
+    except Exception as exc:  # truncated or not msgpack
+        raise CheckpointError(f"{path}: unreadable checkpoint metadata ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a zkit checkpoint (format {meta.get('format') if isinstance(meta, dict) else '?'!r})")
+    if meta.get("version", 0) > VERSION:
+        raise CheckpointError(f"{path}: written by a newer zkit (format version {meta['version']} > {VERSION})")
+    return meta
+
+
+def file_digests(meta: dict[str, Any], fname: str, where: Path) -> dict[str, str] | None:
+    """The saved checksums of rank file ``fname`` (None for a version-1 checkpoint, written
+    before checksums existed)."""
+    if meta.get("version", 1) < 2:
+        return None
+    table = meta.get("checksums", {}).get(fname)
+    if table is None:
+        raise CheckpointError(f"{where / META}: no checksums for {fname}")
+    return table
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """Read one rank file (mapped, ``weights_only``), unverified: the loader verifies each tensor
+    as it copies it out (:class:`zkit.checkpoint.digest.VerifiedCopies`)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: checkpoint shard is missing")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as exc:
+        raise CheckpointError(f"{path}: cannot read checkpoint shard ({type(exc).__name__}: {exc})") from exc
+    return data
+
+
+def read_latest(latest: Path) -> str:
+    """The tag a ``latest`` file names: UTF-8 text without NUL bytes (a file that is not, e.g.
+    overwritten by a crash or another program, is refused naming it)."""
+    data = latest.read_bytes()
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(
+            f"{latest}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); it should hold the tag "
+            f"of the latest checkpoint: rewrite it, or pass tag= to load a specific checkpoint"
+        ) from None
+    if "\0" in tag:
+        raise CheckpointError(
+            f"{latest}: holds a NUL byte (at offset {data.index(0)}); it should hold the tag of the latest "
+            f"checkpoint: rewrite it, or pass tag= to load a specific checkpoint"
+        )
+    return tag
+
+
+def tag_directory(path: Path, tag: str | None) -> Path | None:
+    """The directory ``load_checkpoint(path, tag)`` reads: ``path/tag``, else ``path/<the tag in
+    latest>``; ``None`` without a tag and a ``latest`` file. Unchecked (see :func:`resolve_tag`):
+    for a checkpoint format's ``detect``."""
+    if tag is not None:
+        return path / tag
+    latest = path / LATEST
+    return path / read_latest(latest) if latest.is_file() else None
+
+
+def resolve_tag(load_dir: Path, tag: str | None) -> str:
+    if tag is None:
+        latest = load_dir / LATEST
+        if not latest.is_file():
+            raise CheckpointError(f"{latest}: no 'latest' file; pass tag= to load a specific checkpoint")
+        tag = read_latest(latest)
+        source = f"{latest} names tag {tag!r}, which"
+    else:
+        source = f"tag {tag!r}"
+    # A tag is a directory name inside load_dir: never a path that leads elsewhere.
+    target = (load_dir / tag).resolve()
+    if not tag or target.parent != load_dir.resolve():
+        raise CheckpointError(f"{source} is not a checkpoint directory inside {load_dir}")
+    return tag

@@ -1,0 +1,153 @@
+""":func:`load_config`: a dict, a JSON file or a config in; a validated :class:`ZkitConfig` out."""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import attrs
+
+from zkit.core.config.batch import GAS, MICRO, TB, resolve_batch
+from zkit.core.config.errors import ConfigError
+from zkit.core.config.fields import config_fields, is_section_type, type_options
+from zkit.core.config.plugin_keys import PLUGIN_KEYS
+from zkit.core.config.scalars import plain_scalars
+from zkit.core.config.schema import ZkitConfig
+from zkit.core.config.structure import Context, structure
+from zkit.core.records import ConfigSectionRecord
+
+_NO_SECTIONS: Mapping[str, ConfigSectionRecord] = MappingProxyType({})
+
+
+def load_config(
+    source: Mapping[str, Any] | str | os.PathLike | ZkitConfig,
+    *,
+    world_size: int,
+    sections: Mapping[str, ConfigSectionRecord] = _NO_SECTIONS,
+) -> ZkitConfig:
+    """Validate a DeepSpeed-style config for ``world_size`` data-parallel ranks.
+
+    ``source`` is a dict, a path to a JSON file, or a :class:`ZkitConfig` (validated again for
+    ``world_size``, e.g. after an elastic restart). ``sections`` maps dotted paths to the
+    :class:`~zkit.core.records.ConfigSectionRecord` s of installed plugins
+    (``plugin_manager.config_sections()``). Raises :class:`ConfigError` for every bad input.
+    """
+    if type(world_size) is not int or world_size < 1:
+        raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
+    records = dict(sections)
+    if isinstance(source, ZkitConfig):
+        records = {**source.section_records, **records}
+        data = copy.deepcopy(source.raw) if source.raw else source.to_dict()
+    elif isinstance(source, (str, os.PathLike)):
+        data = _read_json(Path(source))
+    elif isinstance(source, Mapping):
+        data = plain_scalars(copy.deepcopy(dict(source)))
+    else:
+        raise ConfigError(
+            "a config must be a dict, a path to a JSON file or a ZkitConfig, "
+            f"got {type(source).__name__}"
+        )
+    _check_records(records)
+    return _load(data, world_size, records)
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file '{path}' does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not UTF-8 text: byte 0x{exc.object[exc.start]:02x} at offset {exc.start}"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"config file '{path}' cannot be read: {exc}") from exc
+    try:
+        return json.loads(text, object_pairs_hook=_refuse_duplicates(path))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} "
+            f"column {exc.colno}"
+        ) from None
+
+
+def _refuse_duplicates(path: Path):
+    """A JSON object hook that refuses a key given twice in one object (plain ``json`` keeps the
+    last one silently: a file saying stage 3 and then stage 0 would run at stage 0), as DeepSpeed
+    does."""
+
+    def build(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise ConfigError(
+                    f"config file '{path}': key '{key}' appears twice in one object "
+                    f"(values {out[key]!r} and {value!r}); keep one"
+                )
+            out[key] = value
+        return out
+
+    return build
+
+
+def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord]) -> ZkitConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"the config must be a JSON object, got {data!r}")
+    raw = copy.deepcopy(data)
+    tb, micro, gas = resolve_batch(data.get(TB), data.get(MICRO), data.get(GAS), world_size)
+    data = {**data, TB: tb, MICRO: micro, GAS: gas}
+    ctx = Context(sections=records)
+    config = structure(ZkitConfig, data, "", ctx)
+    return attrs.evolve(
+        config,
+        world_size=world_size,
+        raw=raw,
+        plugin_sections=ctx.found,
+        section_records=records,
+    )
+
+
+def builtin_section_paths(cls: type = ZkitConfig, path: str = "") -> dict[str, type]:
+    """Dotted path -> class of every built-in section ("" is the top level)."""
+    found = {path: cls}
+    for f in config_fields(cls):
+        for option in type_options(f.type):
+            if is_section_type(option):
+                found.update(builtin_section_paths(option, f"{path}.{f.name}" if path else f.name))
+    return found
+
+
+def _check_records(records: Mapping[str, Any]) -> None:
+    builtin = builtin_section_paths()
+    for path, record in records.items():
+        if not isinstance(record, ConfigSectionRecord):
+            raise ConfigError(
+                f"config section '{path}': expected a ConfigSectionRecord, got {record!r}"
+            )
+        who = f"registered by '{record.dist or 'unknown'}'"
+        if record.path != path:
+            raise ConfigError(
+                f"config section '{path}' {who} names a different path, '{record.path}'"
+            )
+        if not (isinstance(record.schema, type) and attrs.has(record.schema)):
+            raise ConfigError(
+                f"config section '{path}' {who}: schema must be an attrs class, "
+                f"got {record.schema!r}"
+            )
+        try:
+            attrs.resolve_types(record.schema)
+        except Exception as exc:  # a name in an annotation that cannot be resolved
+            raise ConfigError(
+                f"config section '{path}' {who}: cannot resolve its field types: {exc}"
+            ) from exc
+        parent, _, leaf = path.rpartition(".")
+        if parent not in builtin and parent not in records:
+            raise ConfigError(f"config section '{path}' {who}: '{parent}' is not a config section")
+        if parent in builtin and path not in PLUGIN_KEYS:
+            if leaf in attrs.fields_dict(builtin[parent]):
+                raise ConfigError(
+                    f"config section '{path}' {who}: '{path}' is a built-in key of zkit"
+                )

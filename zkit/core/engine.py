@@ -1,0 +1,867 @@
+"""The training engine: DeepSpeed's API over a stack of plugins.
+
+    engine, optimizer, dataloader, lr_scheduler = zkit.initialize(model=model, config=cfg)
+    for batch in dataloader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+
+The engine itself only orders things in time: micro-steps and accumulation boundaries, loss
+scaling, clipping, logging. What is held where and how it is communicated belongs to the plugins
+it was built from (partitioner, communicator, optimizer, scheduler, allocator).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+import torch
+
+from zkit.core import diagnostics, distributed, host_memory
+from zkit.core import checkpoint_formats
+from zkit.core.assembly import Assembly
+from zkit.core.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
+from zkit.core.config import ZkitConfig, load_config
+from zkit.core.microstep import MicroStep
+from zkit.core.offload_states import offload_states, reload_states, require_on_device
+from zkit.core.partitioner import PartitionContext, Partitioner
+from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
+from zkit.core.precision import LossScaler, cast_model
+from zkit.core.records import OptimizerRecord
+from zkit.core.sixteen_bit import consolidated_16bit_state_dict, save_16bit_model
+from zkit.core.stack import Stack, configure
+from zkit.core.stash import Stash
+from zkit.core.telemetry import (
+    NoMonitor,
+    ProgressBarLogHandler,
+    StepProbe,
+    ThroughputMeter,
+    format_memory_line,
+    format_step_line,
+    memory_snapshot,
+)
+from zkit.core.telemetry.wall_clock import WallClock
+
+log = logging.getLogger("zkit")
+
+
+def _setup_logging(rank: int) -> None:
+    """Show zkit's step lines on rank 0 unless the application configured logging itself."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = ProgressBarLogHandler()  # keeps a live progress bar intact on a terminal
+    handler.setFormatter(logging.Formatter("[zkit] %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    log.propagate = False
+
+
+def initialize(
+    model: torch.nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    config: Any = None,
+    config_params: Any = None,
+    stack: Stack | None = None,
+    collate_fn: Any = None,
+    args: Any = None,
+    dist_init_required: bool | None = None,
+    mpu: Any = None,
+    engine_class: type["Engine"] | None = None,
+) -> tuple["Engine", torch.optim.Optimizer, Any, Any]:
+    """Build an :class:`Engine`; returns ``(engine, optimizer, dataloader, lr_scheduler)`` like
+    ``deepspeed.initialize``. ``config`` is a DeepSpeed-style dict or JSON path (``config_params``
+    and ``args.deepspeed_config`` are accepted too); ``stack`` chooses plugins in Python;
+    ``optimizer`` may be a torch optimizer (its class and defaults are rebuilt over the shards) or a
+    callable ``param_groups -> optimizer``. ``engine_class`` builds a subclass of :class:`Engine`
+    instead (the ``deepspeed`` drop-in's ``DeepSpeedEngine`` adds DeepSpeed's remaining accessors);
+    it takes :class:`Engine`'s constructor arguments."""
+    if engine_class is not None and not (isinstance(engine_class, type) and issubclass(engine_class, Engine)):
+        raise TypeError(f"zkit.initialize(engine_class={engine_class!r}): give a subclass of zkit.core.engine.Engine")
+    if model is None:
+        raise ValueError("zkit.initialize needs model=")
+    if mpu is not None:
+        raise ValueError("mpu= is not supported: tensor/pipeline groups come from zkit-pipeline's topology")
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("zkit.initialize needs config= (a dict or a path to a DeepSpeed-style JSON file)")
+    host_memory.return_freed_memory()
+    engine = (engine_class or Engine)(
+        model,
+        config,
+        stack=stack or Stack(),
+        model_parameters=model_parameters,
+        client_optimizer=optimizer,
+        client_lr_scheduler=lr_scheduler,
+        training_data=training_data,
+        collate_fn=collate_fn,
+    )
+    optimizer_out = None if engine.inference_only else engine.optimizer
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", engine.world_size))
+    host_memory.fit_to_memory(_host_state_bytes(engine), local_ranks)
+    host_memory.trim()  # what building and partitioning the model freed
+    return engine, optimizer_out, engine.training_dataloader, engine.lr_scheduler
+
+
+def _host_state_bytes(engine: "Engine") -> int:
+    """The rank's model states in host memory: all of them on a CPU device, none on an
+    accelerator (the offload allocators manage their own host memory)."""
+    return engine.partitioner.host_state_bytes() if engine.device.type == "cpu" else 0
+
+
+class Engine(torch.nn.Module):
+    """Wraps the model; see :func:`initialize`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        config: Any,
+        *,
+        stack: Stack,
+        model_parameters: Iterable[Any] | None = None,
+        client_optimizer: Any = None,
+        client_lr_scheduler: Any = None,
+        training_data: Any = None,
+        collate_fn: Any = None,
+    ) -> None:
+        super().__init__()
+        # torch.compile(model): train the model itself, compiled in place the same way (zkit.core.compile)
+        model, compiled_with = unwrap_compiled(model)
+        distributed.ensure_initialized()
+        self.pm: ZkitPluginManager = get_plugin_manager(extra_plugins=stack.plugins)
+        #: plugins' per-engine state (``engine.stash[key]``, see :mod:`zkit.core.stash`)
+        self.stash = Stash()
+        #: what runs around every backward, here and in schedules that drive their own micro-batches
+        self.micro_step_protocol = MicroStep(self)
+        # A model that brings its own data-parallel group (a pipeline stage's replicas) trains over
+        # that group: batch arithmetic and the partitioner's collectives use it, not the world.
+        dp_group = getattr(model, "data_parallel_group", None)
+        world = torch.distributed.get_world_size(dp_group)
+        self.config: ZkitConfig = load_config(config, world_size=world, sections=self.pm.config_sections())
+        if self.config.seed is not None:
+            _seed_everything(self.config.seed)
+        self.device = distributed.default_device()
+        # plugins choose per device (zkit-cuda-numba's kernel answers "FusedAdam" on cuda only)
+        self.stack, self.records = configure(self.pm, stack, self.config, self.device)
+
+        self.dtype = self.config.dtype
+        # plugins fit what they put into the model before initialize (zero.Init's units) to this stack
+        self.pm.hook.zkit_prepare_model(model=model, stage=self.records["partitioner"].stage, world_size=world)
+        self.module = cast_model(model, self.dtype, self.device)
+        if compiled_with is not None:
+            compile_in_place(self.module, self.records["partitioner"].stage, compiled_with)
+        #: where communicators, the allocator and stores come from (plugins ask it too)
+        self.assembly = Assembly(self.pm, self.config, self.stack, self.records, self.device)
+        self.comm = self.assembly.gradient_communicator(dp_group)
+        #: the whole world (a pipeline's point-to-point transfers); the same object without a group
+        self.world_comm = self.comm if dp_group is None else self.assembly.communicator(None)
+        self.allocator = self.assembly.allocator
+        self.rank, self.world_size = self.comm.rank, self.comm.world_size
+        _setup_logging(self.rank)
+        # Ranks that built the model from different seeds must still train one model (as DDP and
+        # DeepSpeed do): rank 0 of the data-parallel group's values win.
+        broadcast_module(self.module, dp_group)
+
+        #: built without an optimizer: forward and eval only (backward/step say so)
+        self.inference_only = False
+        opt_record, opt_params = self._optimizer_choice(client_optimizer)
+        if opt_record.needs_communicator:
+            opt_params = {**opt_params, "comm": self.comm}
+        self.partitioner: Partitioner = self.records["partitioner"].factory(
+            PartitionContext(
+                module=self.module,
+                param_groups=_param_groups(self.module, model_parameters, client_optimizer),
+                config=self.config,
+                comm=self.comm,
+                allocator=self.allocator,
+                optimizer=opt_record,
+                optimizer_params=opt_params,
+                device=self.device,
+                dtype=self.dtype,
+            )
+        )
+        self.optimizer = self.partitioner.optimizer
+        self.lr_scheduler = self._lr_scheduler(client_lr_scheduler)
+        self.loss_scaler = LossScaler.from_config(self.config.fp16)
+        self.training_dataloader = self._dataloader(training_data, collate_fn) if training_data is not None else None
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self._nonfinite_in_a_row = 0  # consecutive bf16/fp32 steps skipped for a NaN or infinity
+        #: backward passes whose gradients wait for the optimizer step (a checkpoint cannot hold them)
+        self.pending_micro_steps = 0
+        self._step_applied = False
+        self._grad_norm: float | None = None
+        self._no_sync = False
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
+        self._losses: list[torch.Tensor] = []
+        self._step_started = time.perf_counter()
+        self.tokens_per_sample: int | None = None  # set it to log tokens/s
+        #: compute the global gradient norm every step even without fp16 or clipping (for logging)
+        self.track_grad_norm = False
+        self._closed = False
+        #: metric writers (``engine.monitor.write_events``), from the ``zkit_make_monitor`` hook
+        self.monitor = self.pm.hook.zkit_make_monitor(engine=self) or NoMonitor()
+        self.wall_clock = WallClock(self.config.wall_clock_breakdown, self.device)
+        self.throughput = ThroughputMeter()
+        #: FLOPs and saved activations of the first training micro-step, for the step log line
+        self.step_probe = StepProbe(self.module)
+        # the built-in activations plugin applies the activation_checkpointing section here, first
+        self.pm.hook.zkit_engine_setup(engine=self)
+        if self.config.dump_state and self.rank == 0:
+            self._dump_state()
+
+    def _dump_state(self) -> None:
+        """``dump_state``: what this engine was built from, once, on rank 0."""
+        import json
+
+        chosen = {family: (rec.name, rec.dist) if rec is not None else None for family, rec in self.records.items()}
+        log.info("engine state: world size %d, device %s, dtype %s, stage %d", self.world_size, self.device,
+                 self.dtype, self.partitioner.stage)
+        log.info("engine state: plugins %s", chosen)
+        log.info("engine state: config %s", json.dumps(self.config.to_dict(), default=str, sort_keys=True))
+
+    # -- construction helpers ----------------------------------------------------------------------
+    def _optimizer_choice(self, client: Any) -> tuple[OptimizerRecord, dict[str, Any]]:
+        record = self.records["optimizer"]
+        if client is not None and record is not None:
+            # DeepSpeed steps the client's optimizer and ignores the config's section: so does zkit,
+            # and says so (a section that does nothing must not pass silently)
+            section = self.config.optimizer.type if self.config.optimizer is not None else record.name
+            log.warning("optimizer= (%s) was given and the config names optimizer %r: the client's optimizer is "
+                        "trained and the config's optimizer section is ignored, as in DeepSpeed",
+                        type(client).__name__, section)
+            record = None
+        if record is not None:
+            params = dict(self.config.optimizer.params) if self.config.optimizer is not None else {}
+            if self.stack.optimizer is not None and self.config.optimizer is None:
+                params = {}
+            return record, params
+        if client is None:
+            # No optimizer anywhere: an engine for inference or evaluation, as DeepSpeed allows.
+            self.inference_only = True
+            return OptimizerRecord(name="none", factory=_InferenceOnly, dist="zkit"), {}
+        if isinstance(client, torch.optim.Optimizer):
+            cls, defaults = type(client), _constructor_defaults(client)
+
+            def factory(groups: list[dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
+                return _adopt(client, cls(groups, **{**defaults, **kw}))
+
+            name = cls.__name__
+        elif callable(client):
+            factory = lambda groups, **kw: client(groups)  # noqa: E731
+            name = getattr(client, "__name__", "client")
+        else:
+            raise TypeError(f"optimizer= must be a torch optimizer or a callable, got {client!r}")
+        # torch's Adam family keeps Adam's moments: its checkpoints load into any "adam" optimizer
+        adam = isinstance(client, (torch.optim.Adam, torch.optim.AdamW))
+        return OptimizerRecord(name=f"client:{name}", factory=factory, dist="client",
+                               state_format="adam" if adam else None), {}
+
+    def _lr_scheduler(self, client: Any) -> Any:
+        record = self.records["scheduler"]
+        if record is not None:
+            if record.kind != "lr":
+                raise ValueError(f"scheduler {record.name!r} is a {record.kind} schedule, not an LR schedule")
+            params = dict(self.config.scheduler.params) if self.config.scheduler is not None else {}
+            return record.factory(self.optimizer, **params)
+        if client is None:
+            return None
+        if callable(client) and not hasattr(client, "step"):
+            return client(self.optimizer)
+        return _rebind_scheduler(client, self.optimizer)
+
+    def _dataloader(self, data: Any, collate_fn: Any) -> torch.utils.data.DataLoader:
+        sampler = torch.utils.data.DistributedSampler(
+            data, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.config.seed or 0
+        )
+        return torch.utils.data.DataLoader(
+            data,
+            batch_size=self.config.train_micro_batch_size_per_gpu,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            drop_last=self.config.dataloader_drop_last,
+        )
+
+    # -- accessors (DeepSpeed's names; those only DeepSpeed code reads are on the drop-in's
+    # deepspeed.DeepSpeedEngine, a subclass built through initialize(engine_class=...)) ---------
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step ends a global batch: from the micro-step counter, unless a
+        training loop that counts micro-batches itself said so (:meth:`set_gradient_accumulation_boundary`)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the coming backward and ``step()`` end a global batch (Accelerate and
+        Hugging Face's Trainer count micro-batches themselves and call ``step()`` only at their
+        boundary); once called, it decides instead of the engine's micro-step counter."""
+        self._boundary_override = bool(is_boundary)
+
+    def zero_optimization_stage(self) -> int:
+        return int(self.config.zero_optimization.stage)
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self._grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.scale
+
+    def train_state_dict(self) -> dict[str, Any]:
+        """Where training stands: the micro-step, step, sample and skipped-step counters and the
+        loss scaler. Checkpoints store it; ``state_dict()`` stays the module's (as DeepSpeed's)."""
+        return {
+            "micro_steps": self.micro_steps,
+            "global_steps": self.global_steps,
+            "global_samples": self.global_samples,
+            "skipped_steps": self.skipped_steps,
+            "loss_scaler": self.loss_scaler.state_dict(),
+        }
+
+    def load_train_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`train_state_dict`."""
+        missing = sorted({"micro_steps", "global_steps", "global_samples", "skipped_steps", "loss_scaler"} - set(state))
+        if missing:
+            raise KeyError(f"load_train_state_dict: the state has no {', '.join(missing)}")
+        self.micro_steps = int(state["micro_steps"])
+        self.global_steps = int(state["global_steps"])
+        self.global_samples = int(state["global_samples"])
+        self.skipped_steps = int(state["skipped_steps"])
+        self.loss_scaler.load_state_dict(state["loss_scaler"])
+
+    def compile(self, backend: Any = "inductor", compile_kwargs: dict[str, Any] | None = None, schedule: Any = None,
+                compiled_autograd_enabled: bool = False) -> None:
+        """Compile the module's forward with ``torch.compile`` (DeepSpeed's call; a second call does
+        nothing). The engine's hooks, reductions and optimizer step stay eager; see :mod:`zkit.core.compile`."""
+        if not self.is_compiled:
+            compile_module(self.module, self.partitioner.stage, backend, compile_kwargs, schedule,
+                           compiled_autograd_enabled)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether the module's forward runs under ``torch.compile``."""
+        return is_compiled(self.module)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Collective kind -> ``{"calls", "bytes"}`` sent by this rank since start (or reset)."""
+        return self.comm.stats()
+
+    def memory(self) -> dict[str, Any]:
+        """This rank's memory: model-state bytes by purpose, and the process's RSS."""
+        return memory_snapshot(self._memory_stats())
+
+    def _memory_stats(self) -> dict[str, dict[str, int]]:
+        """The allocator's per-purpose bytes plus the optimizer state (torch allocates that lazily,
+        outside the allocator)."""
+        stats = dict(self.allocator.stats())
+        state_bytes = sum(
+            t.numel() * t.element_size()
+            for st in self.optimizer.state.values()
+            for t in st.values()
+            if torch.is_tensor(t) and t.dim() > 0
+        )
+        stats["optim_state"] = {"live": state_bytes, "peak": max(state_bytes, stats.get("optim_state", {}).get("peak", 0))}
+        return stats
+
+    # -- training ---------------------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.config.fp16.enabled and self.config.fp16.auto_cast:
+            args, kwargs = _to_half((args, kwargs))
+        require_on_device(self, "forward")
+        # the probe inside the partitioner's context: its saved-tensor hooks pass on to stage 3's
+        with self.wall_clock.time("forward"), diagnostics.phase("forward"), self.partitioner.forward_context(), \
+                self.step_probe.forward():
+            return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient reduction for the backward passes inside (accumulate locally)."""
+        if not self.partitioner.no_sync_allowed():
+            raise RuntimeError(
+                f"no_sync() is not possible with ZeRO stage {self.partitioner.stage}: it reduces gradients at "
+                f"every micro-step; use gradient_accumulation_steps instead"
+            )
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Back-propagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        if self.inference_only:
+            raise RuntimeError(_NO_OPTIMIZER)
+        if not torch.is_tensor(loss) or loss.numel() != 1:
+            raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
+        self._losses.append(loss.detach().float())
+        self.pending_micro_steps += 1
+        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        micro = self.micro_step_protocol  # the hooks and the partitioner's reduction around it
+        with self.wall_clock.time("backward"), diagnostics.phase("backward"):
+            with micro.backward(loss, boundary), self.step_probe.backward():
+                micro.scale(loss, divide_by_accumulation=scale_wrt_gas).backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self) -> None:
+        """End a micro-step; at an accumulation boundary, run the optimizer step."""
+        if self.inference_only:
+            raise RuntimeError(_NO_OPTIMIZER)
+        require_on_device(self, "step")
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+        if not boundary:
+            return
+        self.run_optimizer_step()
+        self.global_steps += 1
+        if self.global_steps == 1 and self.rank == 0:
+            log.info("optimizer step kernel: %s", self.partitioner.step_kernel())
+        self._after_step()
+
+    def run_optimizer_step(self) -> bool:
+        """Run the optimizer step now, through the ``zkit_optimizer_step`` hook; returns whether it
+        was applied (False when fp16 overflow skipped it). ``step()`` calls it at an accumulation
+        boundary; a ``zkit_train_batch`` implementation that drives its own micro-batches (a
+        pipeline schedule) calls it where its schedule steps."""
+        with self.wall_clock.time("step"), diagnostics.phase("optimizer.step"):
+            self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
+        self.pending_micro_steps = 0  # the batch's gradients are spent (or dropped, if skipped)
+        return self._step_applied
+
+    def finish_global_batch(self, loss: torch.Tensor) -> None:
+        """Account one global batch run by a ``zkit_train_batch`` implementation outside
+        ``forward``/``backward``/``step``: advance the micro-step, sample and step counters as
+        ``gradient_accumulation_steps`` calls of ``step()`` would, and log ``loss`` as the batch's
+        loss in the step line and monitors."""
+        m = self.gradient_accumulation_steps()
+        self.micro_steps += m
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size * m
+        self.global_steps += 1
+        self._losses = [loss.detach().float().reshape(())]
+        self._after_step()
+
+    def wait_for_parameters(self) -> None:
+        """Block until the parameters hold their values after the last step. Only needed with
+        ``zero_optimization.overlap_param_gather``, by code that reads ``module.parameters()``
+        between ``step()`` and the next forward (an EMA copy, a weight statistic); forward,
+        ``state_dict()``, checkpoints and ``GatheredParameters`` wait on their own."""
+        self.partitioner.wait_for_parameters()
+
+    def apply_step(self) -> bool:
+        """The optimizer step proper: global norm and overflow check, loss scale, clipping, the
+        partitioner's step, the LR schedule. Returns False when the step was skipped."""
+        # The global norm costs a pass over the gradients and an all-reduce: only when fp16 needs
+        # its overflow check, clipping needs the norm, or the user asked for it.
+        needs_norm = self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
+        norm = float(self.pm.hook.zkit_grad_norm(engine=self)) if needs_norm else 0.0
+        # Without a norm, the cheap check: the loss and the reduced gradients, on every rank.
+        overflow = not math.isfinite(norm) if needs_norm else self._nonfinite_on_any_rank()
+        scale = self.loss_scaler.scale  # the scale this batch's gradients carry (1.0 unless fp16)
+        if self.loss_scaler.enabled:
+            self.loss_scaler.update(overflow, self.global_steps + 1)
+        if overflow:
+            self.skipped_steps += 1
+            self._grad_norm = None
+            self.partitioner.skip_step()
+            self._skip_nonfinite_step()
+            return False
+        self._nonfinite_in_a_row = 0
+        true_norm = norm / scale
+        factor = 1.0 / scale
+        clip = self.config.gradient_clipping
+        if clip > 0 and true_norm > clip:
+            factor *= clip / (true_norm + 1e-6)
+        self._grad_norm = true_norm if needs_norm else None
+        self.partitioner.step(factor)
+        self.partitioner.zero_grad()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return True
+
+    def _nonfinite_on_any_rank(self) -> bool:
+        """Whether this batch's loss, or a gradient this rank steps after reduction, was NaN or
+        infinite on some rank. While gradients are reduced a 4-byte all-reduce beside them makes
+        every rank give the same answer, so all skip together (a NaN one rank's backward made
+        reaches only the rank owning that shard at stages 1-3). Without reduction (1-bit
+        optimizers' compressed or local steps, which exist to save collectives) a rank cannot know
+        the others': its own non-finite loss or gradient stops the job rather than letting the
+        replicas' steps differ."""
+        loss_bad = any(not torch.isfinite(l).all() for l in self._losses)
+        bad = torch.tensor([float(loss_bad)], dtype=torch.float32, device=self.device)
+        grads_finite = self.partitioner.grads_finite()
+        if grads_finite is not None:
+            bad += grads_finite.logical_not().to(device=self.device, dtype=torch.float32)
+        if self.world_size == 1:
+            return bool(bad.item() > 0)
+        if not self.partitioner.gradient_reduction:
+            if bad.item() > 0:
+                raise FloatingPointError(
+                    f"step {self.global_steps + 1}: the loss or the gradients on rank {self.rank} are NaN or infinite "
+                    f"while gradients are not reduced (a 1-bit optimizer's compressed or local step), so the ranks "
+                    f"cannot skip it together; training stopped"
+                )
+            return False
+        self.comm.all_reduce(bad, "sum")
+        return bool(bad.item() > 0)
+
+    def _skip_nonfinite_step(self) -> None:
+        """Say why a step was skipped; stop after ``nonfinite_steps_limit`` in a row in bf16/fp32 and
+        with a static fp16 loss scale (a dynamic one shrinks until ``min_loss_scale`` stops the job)."""
+        step = self.global_steps + 1
+        limit = self.config.nonfinite_steps_limit
+        if self.loss_scaler.enabled:
+            if not self.loss_scaler.dynamic:
+                self._nonfinite_in_a_row += 1
+                if self._nonfinite_in_a_row > limit:
+                    raise FloatingPointError(
+                        f"step {step}: fp16 gradients overflowed for {self._nonfinite_in_a_row} steps in a row with the "
+                        f"static loss scale {self.loss_scaler.scale:g} (fp16.loss_scale; nonfinite_steps_limit is "
+                        f"{limit}); training stopped. Lower fp16.loss_scale, set it to 0 for dynamic loss scaling, or "
+                        f"train in bf16"
+                    )
+            if self.rank == 0:
+                log.warning("step %d: gradient overflow, step skipped; loss scale now %g", step, self.loss_scaler.scale)
+            return
+        self._nonfinite_in_a_row += 1
+        if self._nonfinite_in_a_row > limit:
+            raise FloatingPointError(
+                f"step {step}: the loss or the gradients were NaN or infinite for {self._nonfinite_in_a_row} "
+                f"steps in a row (nonfinite_steps_limit is {limit}); training stopped. Lower the learning rate, "
+                f"enable gradient_clipping, or look for bad inputs in the batches before step {step}"
+            )
+        if self.rank == 0:
+            log.warning(
+                "step %d: the loss or the gradients are NaN or infinite; step skipped (%d in a row, the job stops "
+                "after %d)",
+                step,
+                self._nonfinite_in_a_row,
+                limit,
+            )
+
+    def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
+        """Run one global batch (``gradient_accumulation_steps`` micro-batches) from ``data_iter``
+        (default: the engine's own dataloader, cycled)."""
+        if data_iter is None:
+            if self.training_dataloader is None:
+                raise ValueError("train_batch() needs a data iterator or training_data= at initialize")
+            data_iter = self._cycle()
+        return self.pm.hook.zkit_train_batch(engine=self, data_iter=data_iter)
+
+    def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
+        """Evaluate one global batch (``gradient_accumulation_steps`` micro-batches) from
+        ``data_iter`` without gradients; returns the mean loss (a pipeline: on every stage)."""
+        return self.pm.hook.zkit_eval_batch(engine=self, data_iter=iter(data_iter))
+
+    def _cycle(self) -> Iterator[Any]:
+        if not hasattr(self, "_data_cycle"):
+            def forever():
+                epoch = 0
+                while True:
+                    self.training_dataloader.sampler.set_epoch(epoch)
+                    yield from self.training_dataloader
+                    epoch += 1
+
+            self._data_cycle = forever()
+        return self._data_cycle
+
+    # -- logging ----------------------------------------------------------------------------------
+    def _after_step(self) -> None:
+        now = time.perf_counter()
+        elapsed, self._step_started = now - self._step_started, now
+        self.wall_clock.end_step()
+        samples = self.train_batch_size()
+        self.throughput.update(samples, elapsed, tokens=samples * self.tokens_per_sample if self.tokens_per_sample else None)
+        loss = torch.stack(self._losses).mean().item() if self._losses else float("nan")
+        self._losses = []
+        self.last_loss = loss
+        every = self.config.steps_per_print
+        if (every and self.global_steps % every == 0) or self.config.memory_breakdown:
+            self._log_step(loss)
+
+    def _log_step(self, loss: float) -> None:
+        mem = memory_snapshot(self._memory_stats())
+        mem["buffers_bytes"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
+        probe = self.step_probe
+        if probe.activation_bytes is not None:
+            mem["activations_peak_bytes"] = probe.activation_bytes
+        all_mem = self.comm.all_gather_object(mem) if self.world_size > 1 else [mem]
+        throughput = self.throughput.metrics()
+        metrics = {
+            **self.wall_clock.take(),
+            "loss": loss,
+            "lr": self.get_lr()[0] if self.optimizer.param_groups else 0.0,
+            **throughput,
+            **probe.metrics(throughput["step_time_s"], self.gradient_accumulation_steps()),
+            "rss_per_rank": [m.get("rss_bytes", 0) for m in all_mem],
+            "total_steps": getattr(self.lr_scheduler, "total_num_steps", None),
+        }
+        if self.loss_scaler.enabled:
+            metrics["loss_scale"] = self.loss_scaler.scale
+        if self._grad_norm is not None:
+            metrics["grad_norm"] = self._grad_norm
+        if self.rank == 0:
+            log.info(format_step_line(self.global_steps, metrics))
+            log.info(format_memory_line(all_mem))
+            self.monitor.write_events(
+                [(f"Train/{k}", float(v), self.global_steps) for k, v in metrics.items() if isinstance(v, (int, float))]
+            )
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
+        """``exclude_frozen_parameters``: leave parameters with ``requires_grad=False`` out of the
+        module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
+        require_on_device(self, "save_checkpoint")
+        save = checkpoint_formats.operation(checkpoint_formats.named(self.pm, checkpoint_formats.NATIVE), "save")
+        with diagnostics.phase("save_checkpoint"):
+            return save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                        exclude_frozen_parameters=exclude_frozen_parameters)
+
+    def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
+                       non_blocking: bool = False) -> None:
+        """Move optimizer state, master, parameters and gradients off the device until
+        :meth:`reload_states` (DeepSpeed's call; see :mod:`zkit.core.offload_states`)."""
+        offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool = False) -> None:
+        """Bring back what :meth:`offload_states` moved."""
+        reload_states(self, non_blocking)
+
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
+        """Write the model's ``state_dict`` in its training dtype to ``save_dir/save_filename``
+        (rank 0), DeepSpeed's call. At ZeRO stage 3 it needs
+        ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and the
+        call returns False with a warning."""
+        with diagnostics.phase("save_16bit_model"):
+            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether ZeRO-3 saves gather the 16-bit weights (``stage3_gather_16bit_weights_on_model_save``)."""
+        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's
+        host (``None`` on the others); every rank calls it."""
+        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+
+    #: DeepSpeed's name, which Accelerate and transformers call
+    _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict
+
+    def load_checkpoint(
+        self,
+        load_dir: str,
+        tag: str | None = None,
+        load_module_strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str | None, dict]:
+        """Load with the checkpoint format that recognises ``load_dir`` (zkit's, DCP, DeepSpeed's
+        with the drop-in, or one a plugin registers: :mod:`zkit.core.checkpoint_formats`)."""
+        found = checkpoint_formats.for_load(self.pm, Path(load_dir), tag)
+        if found is None:
+            # DeepSpeed's answer: a warning and (None, None), so "resume if there is anything to
+            # resume" scripts start from scratch on their first run.
+            log.warning(
+                "no 'latest' file in %s: nothing loaded; pass tag= to load a specific checkpoint", load_dir
+            )
+            return None, None
+        with diagnostics.phase("load_checkpoint"):
+            return found.load(self, Path(load_dir), tag,
+                              load_optimizer_states=load_optimizer_states and not load_module_only,
+                              load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+
+    def close(self) -> None:
+        """Free plugin resources (swap files, threads) and monitors. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        self.pm.hook.zkit_engine_close(engine=self)
+        self.monitor.close()
+        self.partitioner.close()
+        self.assembly.close()  # the allocator and every communicator it handed out
+
+    #: DeepSpeed's name (Accelerate's ``free_memory()`` calls it)
+    destroy = close
+
+
+_NO_OPTIMIZER = (
+    'this engine was built without an optimizer (for inference or evaluation): to train, add "optimizer": '
+    '{"type": ..., "params": {...}} to the config, choose one with zkit.Stack(optimizer=...), or pass optimizer= '
+    "to zkit.initialize"
+)
+
+
+class _InferenceOnly(torch.optim.Optimizer):
+    """The optimizer of an engine built without one: it holds the parameter groups (schedules,
+    checkpoints and logs read them) and refuses to step."""
+
+    def __init__(self, params: Any, **_: Any) -> None:
+        super().__init__(params, {"lr": 0.0})
+
+    def step(self, closure: Any = None) -> None:
+        raise RuntimeError(_NO_OPTIMIZER)
+
+
+def broadcast_module(module: torch.nn.Module, group: Any = None, bucket_numel: int = 1 << 25) -> None:
+    """Copy the parameters and buffers of the group's first rank to its other ranks, a bucket of
+    same-dtype tensors per collective. ZeRO-3 parameters built partitioned (``zkit.zero.Init``) are
+    already one model and are left alone. One-time set-up traffic: not in ``engine.comm_stats()``."""
+    dist = torch.distributed
+    if dist.get_world_size(group) == 1:
+        return
+    src = dist.get_process_group_ranks(group)[0] if group is not None else 0
+    tensors = [p.data for p in module.parameters() if getattr(p, "_zkit_unit", None) is None]
+    tensors += [b for b in module.buffers()]
+    by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_dtype.setdefault((t.dtype, t.device), []).append(t)
+    for (dtype, device), group_tensors in by_dtype.items():
+        bucket: list[torch.Tensor] = []
+        for t in group_tensors + [None]:  # None flushes the last bucket
+            if t is not None and (not bucket or sum(b.numel() for b in bucket) + t.numel() <= bucket_numel):
+                bucket.append(t)
+                continue
+            flat = torch.cat([b.reshape(-1) for b in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                offset += b.numel()
+            bucket = [t] if t is not None else []
+
+
+def _rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """A client LR scheduler built over the client optimizer, moved onto the optimizer the
+    engine trains (zkit rebuilds the client optimizer over its shards, so the scheduler would
+    otherwise change the learning rate of an optimizer nobody steps)."""
+    old = getattr(scheduler, "optimizer", None)
+    if old is None or old is optimizer:
+        return scheduler
+    if len(old.param_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"lr_scheduler= schedules an optimizer with {len(old.param_groups)} parameter groups, but the engine's "
+            f"optimizer has {len(optimizer.param_groups)} (its groups come from model_parameters=); pass the same "
+            f"groups as model_parameters, or a callable optimizer -> scheduler"
+        )
+    for mine, theirs in zip(optimizer.param_groups, old.param_groups):
+        for key in ("lr", "initial_lr"):  # the schedule's current and base learning rates
+            if key in theirs:
+                mine[key] = theirs[key]
+    scheduler.optimizer = optimizer
+    # torch's check for "optimizer.step() overridden / called after the scheduler" looks at the
+    # first scheduler step only, for a wrapper the scheduler put on the old optimizer; the engine
+    # always steps the optimizer first, so that check is skipped rather than warning wrongly.
+    if getattr(scheduler, "_step_count", 0) == 1:
+        scheduler._step_count = 2
+    return scheduler
+
+
+def _to_half(value: Any) -> Any:
+    """``fp16.auto_cast``: floating-point tensors inside the inputs cast to float16."""
+    if torch.is_tensor(value):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(_to_half(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_half(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_half(v) for k, v in value.items()}
+    return value
+
+
+def _seed_everything(seed: int) -> None:
+    """The config's ``seed``: Python's, NumPy's and torch's generators, as DeepSpeed's
+    ``set_random_seed`` does."""
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The client optimizer's hyper-parameters that its class's constructor takes: ``defaults``
+    may hold more (torch's AdamW keeps Adam's ``decoupled_weight_decay`` there but its
+    constructor does not accept it)."""
+    import inspect
+
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
+def _adopt(client: torch.optim.Optimizer, built: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The client's optimizer object becomes ``built`` (the same class and options over the
+    partitioner's shards): the object the user holds, and every LR scheduler built on it, drive
+    what the engine trains, as DeepSpeed steps the client's optimizer itself. Accelerate, for
+    one, keeps a torch scheduler on the client optimizer without handing it to initialize. The
+    schedule's current and base learning rates carry over."""
+    for new, old in zip(built.param_groups, client.param_groups):
+        for key in ("lr", "initial_lr"):
+            if key in old:
+                new[key] = old[key]
+    # a scheduler's wrapper of the bound ``step`` (torch counts optimizer steps through it) stays
+    kept = {k: v for k, v in vars(client).items() if k == "step"}
+    vars(client).clear()
+    vars(client).update(vars(built), **kept)
+    return client
+
+
+def _param_groups(
+    module: torch.nn.Module, model_parameters: Iterable[Any] | None, client_optimizer: Any = None
+) -> list[dict[str, Any]]:
+    """torch-style param groups over the module's trainable parameters, the user's grouping and
+    per-group options kept. Trainable parameters the user did not list join the first group.
+    A client optimizer instance brings its own groups, which win over ``model_parameters`` (as in
+    DeepSpeed, which steps that optimizer as it was built)."""
+    if isinstance(client_optimizer, torch.optim.Optimizer):
+        model_parameters = [dict(g) for g in client_optimizer.param_groups]
+    if model_parameters is None:
+        return [{"params": [p for p in module.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and isinstance(items[0], dict):
+        groups = [dict(g, params=list(g["params"])) for g in items]
+    else:
+        groups = [{"params": items}]
+    owned = {id(p) for p in module.parameters()}
+    for g in groups:
+        for p in g["params"]:
+            if id(p) not in owned:
+                raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
+    return groups

@@ -1,0 +1,300 @@
+"""Every hook of zkit, in one file. Each docstring is the plugin author's manual for that hook.
+
+A plugin is a plain module (or object) with functions marked ``@zkit.hookimpl`` whose names are
+hook names below; it is found through the entry-point group ``zkit``::
+
+    # pyproject.toml of your distribution
+    [project.entry-points.zkit]
+    myplugin = "my_package.zkit_plugin"
+
+zkit's own defaults are plugins of these very hooks
+(``zkit.core.plugin_manager.BUILTIN_PLUGINS``), registered ``trylast`` so an installed plugin's answer to a ``firstresult`` hook wins. A function named ``zkit_*`` that matches
+no hook here is an error at start-up (a misspelled hook fails loudly).
+
+There are two kinds of hooks:
+
+* **Registration hooks** (``zkit_register_*``, ``zkit_config_sections``) yield small frozen
+  records (:mod:`zkit.core.records`). Two records with one name is an error naming both distributions.
+  The manager calls them through pluggy's hook caller once per plugin that answers (so each record
+  is known with its distribution): ``wrapper=True`` implementations wrap each of those calls, and
+  ``ZKIT_TRACE`` shows them.
+* **Lifecycle hooks** are called at named moments of a run with the engine in hand.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Iterable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+    from zkit.core.config import ZkitConfig
+    from zkit.core.engine import Engine
+    from zkit.core.records import (
+        AllocatorRecord,
+        AttentionRecord,
+        CheckpointFormatRecord,
+        CommunicatorRecord,
+        ConfigSectionRecord,
+        OptimizerRecord,
+        PartitionerRecord,
+        SchedulerRecord,
+    )
+    from zkit.core.stack import Stack
+    from zkit.core.telemetry import MetricsMonitor
+
+PROJECT = "zkit"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# --------------------------------------------------------------------------------------------
+# Registration: one hook per family
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def zkit_register_partitioners() -> Iterable[PartitionerRecord]:
+    """Yield :class:`~zkit.core.records.PartitionerRecord` s: ways to split model states over
+    data-parallel ranks. Selected by ``zero_optimization.stage`` (the record's ``stage``) or by
+    name (``Stack(partitioner="zero2")``).
+
+    The factory gets a :class:`zkit.core.partitioner.PartitionContext` and returns a
+    :class:`zkit.core.partitioner.Partitioner`. Example::
+
+        @zkit.hookimpl
+        def zkit_register_partitioners():
+            yield PartitionerRecord(name="mystage", stage=None, factory=MyPartitioner)
+    """
+
+
+@hookspec
+def zkit_register_communicators() -> Iterable[CommunicatorRecord]:
+    """Yield :class:`~zkit.core.records.CommunicatorRecord` s: implementations of
+    :class:`zkit.core.communicator.Communicator` (all-reduce, reduce-scatter, all-gather, all-to-all,
+    broadcast, point-to-point) with byte counters. The default is ``"torch"``
+    (torch.distributed). Example::
+
+        @zkit.hookimpl
+        def zkit_register_communicators():
+            yield CommunicatorRecord(name="onebit", factory=OneBitCommunicator)
+    """
+
+
+@hookspec
+def zkit_register_optimizers() -> Iterable[OptimizerRecord]:
+    """Yield :class:`~zkit.core.records.OptimizerRecord` s, selected by
+    ``"optimizer": {"type": name}`` (case-insensitive) or ``Stack(optimizer=name)``.
+
+    Declare the per-parameter state tensors in ``state_names`` so that every ZeRO stage can shard
+    and checkpoint the optimizer without knowing it. Example::
+
+        @zkit.hookimpl
+        def zkit_register_optimizers():
+            yield OptimizerRecord(name="lion", factory=Lion, state_names=("exp_avg",))
+    """
+
+
+@hookspec
+def zkit_register_schedulers() -> Iterable[SchedulerRecord]:
+    """Yield :class:`~zkit.core.records.SchedulerRecord` s: learning-rate schedules (``kind="lr"``,
+    selected by ``"scheduler": {"type": name, "params": {...}}``) and step schedules
+    (``kind="step"``: instruction streams for one global batch, e.g. pipeline schedules)."""
+
+
+@hookspec
+def zkit_register_allocators() -> Iterable[AllocatorRecord]:
+    """Yield :class:`~zkit.core.records.AllocatorRecord` s: where flat buffers live (device memory,
+    pinned host memory, NVMe files). The factory returns a :class:`zkit.core.allocator.Allocator`; the
+    partitioner asks it for every flat buffer, naming the buffer's purpose (``"param"``,
+    ``"grad"``, ``"master"``, ``"optim_state"``, ``"bucket"``), so an allocator can place, say,
+    master weights and optimizer state on the host. Three typed methods, ``None`` by default, let
+    it take over more (protocols in ``zkit/core/stores.py``): ``master_store(shard_sizes)`` (stages 2-3:
+    a ``MasterStore`` keeping the fp32 master and its gradients elsewhere), ``param_shard_store(dtype)``
+    (stage 3: a ``ParamShardStore`` keeping parameter shards elsewhere, read ahead of their gathers)
+    and ``optimizer_stepper()`` (a function run in place of ``optimizer.step()``). zkit-offload's
+    ``nvme`` allocator answers all three. ``grads_beside_master()`` (default: whether
+    ``"master_grad"`` and ``"grad"`` are placed apart) makes stages 2-3 copy each reduced gradient
+    chunk into fp32 ``"master_grad"`` shards beside the master instead of keeping ``"grad"`` shards
+    (ZeRO-Offload: no gradient memory on the device)."""
+
+
+@hookspec
+def zkit_register_attention() -> Iterable[AttentionRecord]:
+    """Yield :class:`~zkit.core.records.AttentionRecord` s: attention implementations that a model
+    builds with :func:`zkit.core.attention.build_attention` by name (``"dense"``, ``"block_sparse"``...)."""
+
+
+@hookspec
+def zkit_register_checkpoint_formats() -> Iterable[CheckpointFormatRecord]:
+    """Yield :class:`~zkit.core.records.CheckpointFormatRecord` s: checkpoint formats zkit reads or
+    writes. ``engine.load_checkpoint(path, tag)`` asks every format's ``detect(path, tag)`` (an
+    installed plugin's before the built-ins') and loads with the first that answers; a directory
+    no format recognises loads as zkit's own, whose errors name what is missing.
+    ``engine.save_checkpoint`` writes the ``"zkit"`` format; ``zkit consolidate`` reads a
+    checkpoint through its format's ``pieces`` and writes ``--format NAME`` through that format's
+    ``export``. Built in: ``"zkit"`` (load, save, pieces), ``"dcp"`` (PyTorch Distributed
+    Checkpoint: load, export) and ``"hf"`` (a ``save_pretrained`` directory: export); the
+    ``deepspeed`` drop-in adds ``"deepspeed"`` (load, pieces). Example::
+
+        @zkit.hookimpl
+        def zkit_register_checkpoint_formats():
+            yield CheckpointFormatRecord(
+                name="myformat", detect=lambda path, tag: (path / "my.index").is_file(), load=load_mine
+            )
+    """
+
+
+@hookspec
+def zkit_config_sections() -> Iterable[ConfigSectionRecord]:
+    """Yield :class:`~zkit.core.records.ConfigSectionRecord` s for the config keys the plugin owns
+    (``"sparse_attention"``, ``"zero_optimization.offload_optimizer"``). The loader structures the
+    user's dict into the record's attrs ``schema`` and rejects unknown keys with the closest valid
+    one. A key that zkit knows belongs to a distribution that is not installed is an error naming
+    the distribution to install. Read the section back with ``config.section(path)``."""
+
+
+# --------------------------------------------------------------------------------------------
+# Lifecycle
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def zkit_configure(config: ZkitConfig, device: torch.device | None) -> Stack | None:
+    """Called once per :func:`zkit.initialize`, after the config is loaded and before anything is
+    built. Return a :class:`zkit.Stack` to choose records this config needs (the offload plugin
+    answers ``offload_optimizer.device == "cpu"`` with ``Stack(allocator="host",
+    optimizer="cpu_adam")``), or ``None``. Stacks returned here are overridden by a stack the
+    user passes to ``initialize``; two plugins choosing different records for one family is an
+    error naming both.
+
+    ``device`` is the device the engine trains on, so that a record suited to some devices only
+    is chosen on those (a plugin whose kernel runs on GPUs answers on ``cuda`` only and leaves
+    other devices to the built-ins); ``None`` when the caller builds no engine
+    (``zkit.zero.Init``). An implementation may leave the argument out."""
+
+
+@hookspec
+def zkit_engine_setup(engine: Engine) -> None:
+    """Called once when the engine is fully built (partitioner, optimizer and LR schedule in
+    place), before the first forward. Attach monitors, prefetchers, hang detectors here."""
+
+
+@hookspec
+def zkit_prepare_model(model: torch.nn.Module, stage: int, world_size: int) -> None:
+    """Called once per engine before it casts the model to its dtype and device and partitions
+    it. ``stage`` is the chosen partitioner record's ZeRO stage (0 for a partitioner of no stage)
+    and ``world_size`` the ranks it partitions over. A plugin that changed the model before
+    :func:`zkit.initialize` makes it fit the chosen stack here: the built-in ZeRO plugin gathers
+    the units :class:`zkit.zero.Init` partitioned that this partitioner would not keep as they
+    are."""
+
+
+@hookspec(firstresult=True)
+def zkit_make_monitor(engine: Engine) -> MetricsMonitor | None:
+    """Return the object behind ``engine.monitor``: it receives the step metrics as ``(tag,
+    value, step)`` events on rank 0, and user code may write its own events to it (as DeepSpeed's
+    ``engine.monitor.write_events``). It follows :class:`zkit.core.telemetry.MetricsMonitor`.
+    The built-in answer (``trylast``, :mod:`zkit.monitor`) opens the writers the ``csv_monitor``
+    and ``tensorboard`` sections enable; a plugin answering first replaces it (wrap it with
+    ``wrapper=True`` to add a writer beside it). First non-None answer wins."""
+
+
+@hookspec(firstresult=True)
+def zkit_train_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
+    """Run one whole global batch (all its micro-batches) and return the mean loss.
+
+    ``engine.train_batch(data_iter)`` calls this. The built-in implementation (``trylast``) takes
+    ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and runs
+    forward/backward/step on each. A pipeline plugin answers with its own schedule. First non-None
+    answer wins."""
+
+
+@hookspec(firstresult=True)
+def zkit_eval_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
+    """Evaluate one global batch without gradients and return its mean loss.
+
+    ``engine.eval_batch(data_iter)`` calls this. The built-in implementation (``trylast``) takes
+    ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and runs the model's forward on
+    each under ``torch.no_grad()`` in eval mode (restoring train mode after). A pipeline plugin
+    answers with a forward-only pass through its stages. No gradient, optimizer state or step
+    counter changes. First non-None answer wins."""
+
+
+@hookspec
+def zkit_before_backward(engine: Engine, loss: Any, boundary: bool) -> None:
+    """Called before every backward pass that accumulates parameter gradients, by the one
+    micro-step protocol (:class:`zkit.core.microstep.MicroStep`) that ``engine.backward(loss)`` and
+    schedules driving their own micro-batches (a pipeline stage's backward instructions) share.
+    ``loss`` is the micro-batch's loss before scaling, or ``None`` on a pipeline stage that
+    back-propagates the gradient it received from the next stage. ``boundary``: this backward
+    ends the batch (the optimizer step comes next); zkit-offload's ``step_in_backward`` starts
+    stepping sub-groups here. An implementation may leave out the arguments it does not use."""
+
+
+@hookspec
+def zkit_after_backward(engine: Engine) -> None:
+    """Called after every backward pass of the micro-step protocol (see
+    :func:`zkit_before_backward`), once back-propagation and the partitioner's gradient reduction
+    of this micro-step have finished."""
+
+
+@hookspec(firstresult=True)
+def zkit_optimizer_step(engine: Engine) -> bool | None:
+    """Perform the optimizer step at a gradient-accumulation boundary and return whether the
+    step was applied (``False`` when skipped because of an fp16 overflow).
+
+    The built-in implementation (``trylast``) runs :meth:`zkit.core.engine.Engine.apply_step`:
+    global gradient norm and overflow check, loss-scale update, clipping, the partitioner's step,
+    the LR schedule. Wrap it (``@hookimpl(wrapper=True)``) to time or profile the step; answer it
+    to replace the step (a 1-bit optimizer that exchanges momentum instead of gradients)."""
+
+
+@hookspec(firstresult=True)
+def zkit_grad_norm(engine: Engine) -> Any:
+    """Return the global L2 norm of this batch's gradients, still multiplied by the loss scale,
+    as a 0-dim fp32 tensor; ``inf`` or ``nan`` when any rank has an overflow.
+
+    The engine asks at an accumulation boundary when it needs the norm: fp16's overflow check,
+    ``gradient_clipping``, or ``engine.track_grad_norm``. The built-in answer (``trylast``) is
+    ``engine.partitioner.grad_norm()``, the norm over the data-parallel group. A plugin that
+    changes what "global" means wraps it, so that several such plugins compose (each sees the
+    answer of those inside it)::
+
+        @zkit.hookimpl(wrapper=True)
+        def zkit_grad_norm(engine):
+            norm = yield          # the partitioner's norm, or the next wrapper's
+            sq = norm.float().reshape(1) ** 2
+            my_group_comm.all_reduce(sq, "sum")   # e.g. over the model-parallel ranks
+            return sq.sqrt()[0]
+
+    Every rank must return the same value (they skip and clip together) and issue the same
+    collectives. zkit-onebit's wrapper (``trylast``: innermost) averages the local norms while a
+    1-bit optimizer has reduction off; zkit-pipeline's sums over the pipeline and tensor ranks."""
+
+
+@hookspec
+def zkit_checkpoint_save(engine: Engine) -> dict[str, Any] | None:
+    """Return extra state to store in this rank's checkpoint file (tensors, numbers, strings,
+    nested dicts and lists; no arbitrary objects: checkpoints are loaded with
+    ``weights_only=True``). The returned dict is stored under the plugin's own key; return
+    ``None`` for nothing."""
+
+
+@hookspec
+def zkit_checkpoint_load(engine: Engine, state: dict[str, Any]) -> None:
+    """Restore what ``zkit_checkpoint_save`` stored. ``state`` maps each plugin's key to what it
+    returned at save time (missing keys when the checkpoint was written without the plugin)."""
+
+
+@hookspec
+def zkit_engine_close(engine: Engine) -> None:
+    """Called once when the engine is closed (``engine.close()``, or at interpreter exit). Free
+    files and threads: swap files, I/O pools, monitors."""
+
+
+@hookspec
+def zkit_report() -> Iterable[tuple[str, str]] | None:
+    """Yield ``(topic, text)`` lines for ``zkit report``: versions, whether a backend or
+    kernel works on this machine and, when it does not, why."""

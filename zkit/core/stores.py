@@ -1,0 +1,84 @@
+"""What an allocator may hand the ZeRO partitioner besides buffers: stores that keep model states
+out of memory (zkit-offload's NVMe files), and a step that runs around them.
+
+The protocols say only what the partitioner needs of any store. What one store does besides
+(zkit-offload steps sub-groups during the backward that ends a batch) reaches the kernel through
+hooks (``zkit_before_backward``), not through members here.
+
+:class:`zkit.core.allocator.Allocator` answers ``master_store``, ``param_shard_store`` and
+``optimizer_stepper`` with ``None`` by default (everything in the allocator's buffers, the
+partitioner steps the optimizer); an offload allocator returns one of these.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+
+import torch
+
+#: runs ``optimizer``'s step in place of ``optimizer.step()`` (its gradients are set and scaled)
+OptimizerStepper = Callable[[torch.optim.Optimizer], None]
+
+
+@runtime_checkable
+class MasterStore(Protocol):
+    """The fp32 master of every unit's shard and its gradients, kept elsewhere (stages 2-3). The
+    partitioner's ``self.master`` then holds zero-stride placeholders."""
+
+    def write_master(self, unit: int, values: torch.Tensor) -> None:
+        """New fp32 values of ``unit``'s master shard; ``values`` may be reused on return."""
+
+    def read_master(self, unit: int) -> torch.Tensor:
+        """A copy of ``unit``'s master shard in host memory."""
+
+    def add_grad(self, unit: int, grad: torch.Tensor) -> None:
+        """Add one micro-step's reduced gradient shard (any device, any float dtype) to what the
+        batch accumulated; ``grad`` may be reused on return."""
+
+    def grad_norm_sq(self) -> float:
+        """Squared L2 norm of this rank's accumulated gradients."""
+
+    def zero_grad(self) -> None:
+        """The next :meth:`add_grad` of every unit starts a new batch."""
+
+    def skip_step(self) -> None:
+        """The batch is skipped (its loss or gradients were not finite): the partitioner calls
+        :meth:`zero_grad` next. A store that already applied part of the step (a plugin that steps
+        parts of the batch during backward, through its own hooks) raises
+        :class:`FloatingPointError` saying so, as :meth:`zkit.core.partitioner.Partitioner.skip_step` does."""
+
+    def step(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]], grad_factor: float,
+             publish: Callable[[int, torch.Tensor], None]) -> None:
+        """Step ``optimizer`` over the partitioner's ``owned`` pieces and call
+        ``publish(unit, master)`` for every updated unit."""
+
+
+@runtime_checkable
+class ParamShardStore(Protocol):
+    """Stage-3 parameter shards kept elsewhere, read ahead of the gathers that use them
+    (``zkit/zero/sharded_params.py`` is the only caller besides stage 3's set-up)."""
+
+    dtype: torch.dtype
+    #: how many units past the gathered ones stage 3 asks to :meth:`prefetch`
+    lookahead: int
+
+    def adopt(self, units: Sequence[Any]) -> None:
+        """Take the shards of these :class:`~zkit.zero.sharded_params.ShardedUnit` s: ``su.stored_in(self)``
+        for each shard it keeps, ``su.shard_to_memory()`` for one another store held."""
+
+    def take(self, su: Any, allocator: Any = None, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Give ``su``'s shard back as a tensor (into ``into`` or a new ``allocator`` buffer)."""
+
+    def prefetch(self, su: Any) -> None:
+        """Start reading ``su``'s shard (best effort)."""
+
+    def ready(self, su: Any) -> bool:
+        """Whether ``su``'s shard is in host memory now: :meth:`get` would not wait for a read."""
+
+    def get(self, su: Any) -> torch.Tensor:
+        """``su``'s shard in host memory, held until :meth:`release`."""
+
+    def release(self, su: Any) -> None:
+        """The gather that read ``su``'s shard is done with it, and so is any copy from it."""
+
+    def put(self, su: Any, values: torch.Tensor) -> None:
+        """New values of ``su``'s shard."""

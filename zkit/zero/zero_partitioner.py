@@ -1,0 +1,479 @@
+"""What the stages share: flat parameter buffers, the fp32 master shard, the optimizer over that
+shard, the step and the parameter refresh. Stages 0-2 differ only in how gradients are held and
+reduced (``stage0.py``, ``stage1.py``, ``stage2.py``); stage 3 (``stage3.py``) takes stage 2's
+gradient path and replaces the parameter buffers with per-module shards.
+
+Layout: trainable parameters, in reverse registration order (the order backward produces their
+gradients), are packed into units of ``reduce_bucket_size`` elements (:mod:`zkit.zero.flat`). Each
+parameter's ``.data`` becomes a view into its unit's flat buffer. Rank ``r`` owns shard ``r`` of every
+unit: the fp32 master copy and the optimizer state of those elements. Stage 0 owns everything
+(``shards_states = False``).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any
+
+import torch
+
+from zkit.core.copies import DONE, Copy
+from zkit.optim.fused_step import FusedStepOptimizer
+from zkit.core.partitioner import GradPiece, PartitionContext, Partitioner, Piece
+from zkit.estimator.model_states import model_state_bytes
+from zkit.zero import full_state
+from zkit.zero.flat import Unit, plan_units
+from zkit.zero.init import GatheredParameters
+from zkit.zero.param_refresh import ParamRefresh
+
+_COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _fuses(optimizer: Any) -> bool:
+    return isinstance(optimizer, FusedStepOptimizer) and optimizer.fuses
+
+
+def _gradient_averaging(config: Any, world: int) -> tuple[str, float, float]:
+    """How gradients are averaged over ``world`` ranks: ``(op, pre, post)``, the reduction's op and
+    the factors applied before and after it (DeepSpeed's ``prescale_gradients`` and
+    ``gradient_predivide_factor``: in fp16 a sum of large gradients can overflow where a sum of
+    pre-divided ones does not). By default the collective averages (``"avg"``)."""
+    if config.prescale_gradients:
+        return "sum", 1.0 / world, 1.0
+    factor = config.gradient_predivide_factor
+    if factor != 1.0:
+        return "sum", 1.0 / factor, factor / world
+    return "avg", 1.0, 1.0
+
+
+class ZeroPartitioner(Partitioner):
+    """Base of the data-parallel stages. Subclasses implement the gradient path:
+    ``_init_grads``, ``_on_grad_ready``, ``backward_context``, ``after_backward``, ``_grad_shards``
+    and ``zero_grad``."""
+
+    shards_states = True
+
+    def __init__(self, ctx: PartitionContext) -> None:
+        super().__init__(ctx)
+        zc = ctx.config.zero_optimization
+        self.dtype = ctx.dtype
+        comm_type = getattr(ctx.config, "communication_data_type", None)
+        self.comm_dtype = _COMM_DTYPES[comm_type] if comm_type else ctx.dtype
+        accum = ctx.config.grad_accum_dtype  # data_types.grad_accum_dtype
+        #: dtype gradients accumulate in over micro-steps (stages 2-3: the reduced shards)
+        self.accum_dtype = _COMM_DTYPES[accum] if accum else self.comm_dtype
+        if self.accum_dtype != self.comm_dtype and self.stage < 2:
+            raise ValueError(
+                f"data_types.grad_accum_dtype {accum!r} differs from the {str(self.comm_dtype).replace('torch.', '')} "
+                f"gradients of ZeRO stage {self.stage}, which accumulate in the parameters' own .grad; use "
+                f"stage 2 or 3 (reduced shards accumulate in {accum}) or leave grad_accum_dtype unset"
+            )
+        self.rank = self.comm.rank if self.shards_states else 0
+        self.world = self.comm.world_size if self.shards_states else 1
+        self.reduce_op, self.pre_scale, self.post_scale = _gradient_averaging(ctx.config, self.comm.world_size)
+
+        named = list(self.named_trainable())
+        if not named and getattr(self.module, "model_parallel_part", None) is None:
+            # A part of a split model (a frozen pipeline stage) still runs: it passes gradients on.
+            raise ValueError("the model has no trainable parameters (requires_grad=True): nothing to train")
+        self.param_of = dict(named)
+        self.units = self._plan_units(named)
+        self.unit_params = [[self.param_of[s.name] for s in u.slots] for u in self.units]
+        self.unit_of = {id(p): u.index for u in self.units for p in self.unit_params[u.index]}
+        #: unit -> the copy of its updated master into the parameters, until its gather waits for it
+        self._published: dict[int, Copy] = {}
+        self._build_param_buffers()
+        self._build_master()
+        self.optimizer = self._build_optimizer()
+        self.allocator.check_optimizer(self.optimizer, self.ctx.optimizer.name)
+        #: the optimizer's step writes the 16-bit parameters itself (see :meth:`_attach_copy_out`)
+        self.copy_out = self._attach_copy_out()
+        full_state.register(self)  # safe_get_full_fp32_param(param) and friends find this partitioner
+        gathers = self.shards_states and self.world > 1 and self.stage in (1, 2)
+        #: background parameter all-gathers (``overlap_param_gather``), else None: gathers in step()
+        self.refresh = (
+            ParamRefresh(self.module, self.unit_params)
+            if gathers and zc.overlap_param_gather
+            else None
+        )
+        self._hooks = [
+            p.register_post_accumulate_grad_hook(self._grad_hook) for _, p in named
+        ]
+        self._init_grads()
+
+    # -- construction ----------------------------------------------------------------------------
+    def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
+        bucket = max(int(self.ctx.config.zero_optimization.reduce_bucket_size), 1)
+        return plan_units(((n, p.shape) for n, p in reversed(named)), bucket, self.world)
+
+    def _param_shard(self, unit: Unit) -> torch.Tensor:
+        """This rank's shard of a unit's parameters (model dtype)."""
+        lo, hi = unit.shard_range(self.rank)
+        return self.param_bufs[unit.index][lo:hi]
+
+    def _build_param_buffers(self) -> None:
+        self.param_bufs: list[torch.Tensor] = []
+        for u, params in zip(self.units, self.unit_params):
+            buf = self.allocator.zeros(u.padded, self.dtype, "param")
+            for slot, p in zip(u.slots, params):
+                view = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                view.copy_(p.data)
+                p.data = view
+            self.param_bufs.append(buf)
+
+    def _build_master(self, copy: bool = False) -> None:
+        """The fp32 master of every unit's shard: the parameters themselves (fp32 on the training
+        device, unless ``copy``), a copy from the allocator, or in the allocator's master store."""
+        place = self.allocator.place("master")
+        # Stages 2-3 hold gradients as shards, so an allocator may keep master and gradients
+        # elsewhere (zkit-offload's NVMe): then ``self.master`` holds zero-stride placeholders.
+        self.master_store = self.allocator.master_store([u.shard for u in self.units]) if self.stage >= 2 else None
+        if self.master_store is not None:
+            self.master_is_param = False
+            placeholder = torch.empty((), dtype=torch.float32, device=self.allocator.place("master"))
+            self.master = [placeholder.expand(u.shard) for u in self.units]
+            for u in self.units:
+                self.master_store.write_master(u.index, self._param_shard(u))
+                self._done_with_shard(u)
+            return
+        # fp32 training with the master on the training device: the parameters *are* the master.
+        self.master_is_param = not copy and self.dtype == torch.float32 and place == self.ctx.device
+        self.master: list[torch.Tensor] = []
+        if self.master_is_param:
+            self.master = [self._param_shard(u) for u in self.units]
+            return
+        flat = self.allocator.empty(sum(u.shard for u in self.units), torch.float32, "master")
+        start = 0
+        for u in self.units:
+            m = flat[start : start + u.shard]
+            m.copy_(self._param_shard(u))
+            self._done_with_shard(u)
+            self.master.append(m)
+            start += u.shard
+
+    def _done_with_shard(self, unit: Unit) -> None:
+        """Called after :meth:`_param_shard` was read (stage 3 returns a stored shard's buffer)."""
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        rec = self.ctx.optimizer
+        group_of = {}
+        for gi, group in enumerate(self.ctx.param_groups):
+            for p in group["params"]:
+                group_of[id(p)] = gi
+        groups: list[dict[str, Any]] = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": []} for g in self.ctx.param_groups
+        ]
+        # Model parameter numbering shared by all ranks (named_trainable order), per group in step
+        # with the optimizer's parameters: what a non-elementwise optimizer sums its norms by.
+        model_index = {name: i for i, name in enumerate(self.param_of)}
+        group_index: list[list[int]] = [[] for _ in groups]
+        #: (optimizer param, unit, start in shard, end in shard, piece) for every owned piece.
+        self.owned: list[tuple[torch.nn.Parameter, int, int, int, Any]] = []
+        for u in self.units:
+            for piece in u.pieces(self.rank):
+                a = piece.shard_offset
+                opt_param = torch.nn.Parameter(self.master[u.index][a : a + piece.numel], requires_grad=True)
+                gi = group_of.get(id(self.param_of[piece.slot.name]), 0)
+                groups[gi]["params"].append(opt_param)
+                group_index[gi].append(model_index[piece.slot.name])
+                self.owned.append((opt_param, u.index, a, a + piece.numel, piece))
+        if not self.owned:
+            # A rank owning nothing still needs an optimizer (schedules and checkpoints see it).
+            # Its empty placeholder never has a gradient; any index serves.
+            groups[0]["params"].append(torch.nn.Parameter(torch.zeros(0, device=self.master_device)))
+            group_index[0].append(0)
+        optimizer = rec.factory(groups, **self.ctx.optimizer_params)
+        if self.shards_states and self.world > 1 and not rec.elementwise:
+            if not callable(getattr(optimizer, "set_shard_norms", None)):
+                raise ValueError(
+                    f"optimizer {rec.name!r} is not elementwise (it needs whole-parameter norms), so it "
+                    f"cannot step on ZeRO stage {self.stage} shards; use stage 0 or an elementwise optimizer"
+                )
+            device = self.ctx.device
+
+            def all_reduce(t: torch.Tensor) -> None:
+                # Through the training device: the master (and the optimizer) may live on the host.
+                on_device = t.to(device)
+                self.comm.all_reduce(on_device, "sum")
+                if on_device is not t:
+                    t.copy_(on_device)
+
+            optimizer.set_shard_norms([i for index in group_index for i in index], len(model_index), all_reduce)
+        return optimizer
+
+    def unit_names(self) -> list[str]:
+        """A readable name per unit for diagnostics: its first parameter (and how many more)."""
+        return [
+            repr(u.slots[0].name) + (f" +{len(u.slots) - 1} more" if len(u.slots) > 1 else "") for u in self.units
+        ]
+
+    @property
+    def master_device(self) -> torch.device:
+        return self.master[0].device if self.master else self.ctx.device
+
+    def _grad_hook(self, param: torch.Tensor) -> None:
+        if id(param) not in self.unit_of:
+            # torch hands a post-accumulate hook's return value to the next hook as the parameter
+            raise RuntimeError(
+                f"ZeRO stage {self.stage}: its gradient hook was called with a {type(param).__name__} of shape "
+                f"{tuple(param.shape)} that is not one of the model's parameters. A post-accumulate-grad hook "
+                f"registered before zkit.initialize returned a value, and torch passes that value on to the next "
+                f"hook in place of the parameter; make that hook return None"
+            )
+        self._on_grad_ready(param)
+
+    # -- stage-specific gradient path ------------------------------------------------------------
+    def _init_grads(self) -> None:
+        raise NotImplementedError
+
+    def _on_grad_ready(self, param: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _grad_shards(self) -> list[torch.Tensor]:
+        """Per unit, the reduced gradient of this rank's shard (model or communication dtype)."""
+        raise NotImplementedError
+
+    def reduced_grads(self) -> list[GradPiece]:
+        """This rank's reduced gradient pieces (:class:`zkit.core.partitioner.ReducedGradients`)."""
+        shards = self._grad_shards()
+        return [
+            GradPiece(name=piece.slot.name, start=piece.param_start, end=piece.param_end, grad=shards[u][a:b])
+            for _, u, a, b, piece in self.owned
+        ]
+
+    def unit_key(self, unit: int) -> str:
+        """The name of a gradient unit's reduction, the same every step and after a restart (a
+        communicator keeping per-tensor state keys it by this, not by the scratch bucket)."""
+        return f"grad/{unit}"
+
+    # -- step ------------------------------------------------------------------------------------
+    def grad_norm(self) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        if self.master_store is not None:
+            sq += self.master_store.grad_norm_sq()  # noted as the gradients were stored
+        else:
+            for g in self._grad_shards():
+                sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(sq.device) ** 2
+        if self.shards_states and self.world > 1:
+            self.comm.all_reduce(sq, "sum")
+        return sq.sqrt()
+
+    def grads_finite(self) -> torch.Tensor:
+        # One read pass over the owned pieces, no temporary: a NaN or infinity makes the sum
+        # non-finite (a sum past fp32's range counts too; Adam would square such gradients to inf).
+        # bf16 and fp32 sum in their own dtype (the fast kernel); fp16's range is too small.
+        if self.master_store is not None:
+            return torch.tensor(math.isfinite(self.master_store.grad_norm_sq()), device="cpu")  # noted as stored
+        sums = [(g.sum(dtype=torch.float32) if g.dtype == torch.float16 else g.sum()).float()
+                for g in (piece.grad for piece in self.reduced_grads())]
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.tensor(True, device="cpu")
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        shards = self._grad_shards()
+        if self.master_is_param:
+            return shards
+        # To the master's memory and fp32: on the side stream, a bounded number at a time, while
+        # the next ones are issued; the step reads them on the host once each has landed.
+        moved = [self.allocator.copies.to(g, self.master_device, torch.float32) for g in shards]
+        for _, copy in moved:
+            copy.wait()
+        return [g for g, _ in moved]
+
+    def step(self, grad_factor: float) -> None:
+        self.wait_for_parameters()  # the in-place all-gathers read the shard the step writes
+        self.allocator.copies.synchronize()  # copies in flight may still read host buffers the step writes
+        if self.master_store is not None:
+            # master, gradients and state stream through host buffers sub-group by sub-group
+            self.master_store.step(self.optimizer, self.owned, grad_factor, self.publish_from_buffer)
+            self._gather_params()
+            return
+        grads = self._master_grads()
+        # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
+        stepper = self.allocator.optimizer_stepper()
+        fused = stepper is None and _fuses(self.optimizer)
+        if grad_factor != 1.0 and not fused:
+            for g in grads:
+                g.mul_(grad_factor)
+        for opt_param, u, a, b, _ in self.owned:
+            opt_param.grad = grads[u][a:b]
+        if fused:  # one pass: unscale x clip factor, update, 16-bit copy-out
+            self.optimizer.fused_step(grad_factor=grad_factor)
+        elif stepper is not None:
+            stepper(self.optimizer)
+        else:
+            self.optimizer.step()
+        for opt_param, *_ in self.owned:
+            opt_param.grad = None
+        if self.copy_out:
+            self._gather_params()  # the step wrote this rank's shard of the parameters
+        else:
+            self.publish_params()
+
+    def skip_step(self) -> None:
+        if self.master_store is not None:
+            self.master_store.skip_step()  # raises when the store applied part of the step already
+        super().skip_step()
+
+    def step_kernel(self) -> str:
+        """What the optimizer step runs, for the step log."""
+        name = type(self.optimizer).__name__
+        if _fuses(self.optimizer):
+            return f"{name}: {self.optimizer.last_kernel}"
+        return f"{name}.step (gradients scaled, then the step, then the master copied into the parameters)"
+
+    def _copy_out_target(self, unit: int) -> torch.Tensor | None:
+        """The buffer :meth:`_publish_unit` writes a unit's updated master into."""
+        lo, hi = self.units[unit].shard_range(self.rank)
+        return self.param_bufs[unit][lo:hi]
+
+    def _attach_copy_out(self) -> bool:
+        """With a fused host optimizer and 16-bit parameters in host memory (CPU offload on a CPU,
+        or parameters offloaded at stage 3), let the step write each owned piece's parameters in its
+        own pass: all pieces or none."""
+        if self.master_is_param or self.master_store is not None or not _fuses(self.optimizer):
+            return False
+        if self.allocator.optimizer_stepper() is not None:
+            return False
+        twins = []
+        for opt_param, u, a, b, _ in self.owned:
+            target = self._copy_out_target(u)
+            if target is None or target.device.type != "cpu" or target.dtype not in (torch.float16, torch.bfloat16):
+                return False
+            twins.append((opt_param, target[a:b]))
+        for opt_param, twin in twins:
+            self.optimizer.attach_copy_out(opt_param, twin)
+        return bool(twins)
+
+    def publish_params(self) -> None:
+        """Copy the updated master shard into the model's parameters and all-gather every unit
+        (in the background with ``overlap_param_gather``; see :mod:`zkit.zero.param_refresh`)."""
+        if not self.master_is_param:
+            for u in self.units:
+                self._publish_unit(u.index, self._master_of(u.index))
+        self._gather_params()
+
+    def _master_of(self, unit: int) -> torch.Tensor:
+        """The fp32 master of ``unit``'s shard (read back when the allocator's store holds it)."""
+        if self.master_store is None:
+            return self.master[unit]
+        return self.master_store.read_master(unit)
+
+    def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
+        """Copy one unit's updated master into this rank's shard of the parameters (on the side
+        stream from a host master; the unit's gather waits for it)."""
+        lo, hi = self.units[unit].shard_range(self.rank)
+        self._published[unit] = self.allocator.copies.copy(self.param_bufs[unit][lo:hi], master)
+
+    def publish_from_buffer(self, unit: int, master: torch.Tensor) -> None:
+        """:meth:`_publish_unit` from a buffer the master store reuses once this returns (what a
+        master store's ``step`` calls for every updated unit)."""
+        self._publish_unit(unit, master)
+        self.allocator.copies.synchronize()
+
+    def _wait_published(self) -> None:
+        """Order the parameters' next use after every publish copy still pending."""
+        for copy in self._published.values():
+            copy.wait()
+        self._published.clear()
+
+    def _gather_params(self) -> None:
+        if not (self.shards_states and self.world > 1):
+            self._wait_published()
+            return
+        if self.refresh is not None:  # one by one: the next forward waits for each unit's own gather
+            self.refresh.start(self._launch_gathers)
+            return
+        with self.comm.coalesced():  # all waited together: one batch where the backend batches
+            handles = self._launch_gathers()
+        for h in handles.values():
+            h.wait()
+
+    def _launch_gathers(self) -> dict[int, Any]:
+        """Start every unit's all-gather, first layers first (units are laid out in backward
+        order); unit -> handle."""
+        handles = {}
+        for unit in reversed(range(len(self.units))):
+            u, buf = self.units[unit], self.param_bufs[unit]
+            lo, hi = u.shard_range(self.rank)
+            self._published.pop(unit, DONE).wait()  # the gather sends the published shard
+            # in place: the input is this rank's own chunk of the output (gloo and NCCL allow it)
+            handles[unit] = self.comm.all_gather(buf, buf[lo:hi], async_op=True)
+        return handles
+
+    def wait_for_parameters(self) -> None:
+        if self.refresh is not None:
+            self.refresh.wait()
+
+    def forward_context(self):
+        return self.refresh.forward() if self.refresh is not None else contextlib.nullcontext()
+
+    def after_load(self, pieces: list[Piece]) -> None:
+        if self.master_store is not None:
+            self._store_loaded_masters(pieces)
+        self.publish_params()
+        self.wait_for_parameters()
+
+    def _store_loaded_masters(self, pieces: list[Piece]) -> None:
+        """Write the masters a checkpoint loaded into ``pieces`` (the copies :meth:`pieces` read,
+        in ``self.owned`` order) back to the store."""
+        if len(pieces) != len(self.owned):
+            raise ValueError(f"after_load: {len(pieces)} pieces for the {len(self.owned)} this rank owns")
+        loaded: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
+        for piece, (_, unit, a, b, _) in zip(pieces, self.owned):
+            loaded.setdefault(unit, []).append((a, b, piece.master))
+        for unit, parts in loaded.items():
+            master = self.master_store.read_master(unit)
+            for a, b, view in parts:
+                master[a:b].copy_(view.reshape(-1))
+            self.master_store.write_master(unit, master)
+
+    # -- state -----------------------------------------------------------------------------------
+    def pieces(self) -> list[Piece]:
+        """This rank's pieces. A master held in the allocator's store is read into copies here:
+        saving reads them, loading writes into them and :meth:`after_load` stores them back (the
+        partitioner keeps no reference to them: after a save they are freed with the pieces)."""
+        self.allocator.copies.synchronize()  # a load writes the masters that copies in flight read
+        masters = [opt_param.data for opt_param, *_ in self.owned]
+        if self.master_store is not None:
+            copies = {u.index: self.master_store.read_master(u.index) for u in self.units}
+            masters = [copies[u][a:b].view(p.shape) for p, u, a, b, _ in self.owned]
+        return [
+            Piece(
+                name=piece.slot.name,
+                shape=piece.slot.shape,
+                start=piece.param_start,
+                end=piece.param_end,
+                master=master,
+                opt_param=opt_param,
+            )
+            for master, (opt_param, _, _, _, piece) in zip(masters, self.owned)
+        ]
+
+    def writes_checkpoint(self) -> bool:
+        return self.shards_states or self.comm.rank == 0
+
+    def gathered(self, params: list[torch.nn.Parameter]) -> contextlib.AbstractContextManager:
+        return GatheredParameters(params)
+
+    def host_state_bytes(self) -> int:
+        """By ``zkit estimate``'s formula, with the gathered parameters and buckets of a step."""
+        z = self.ctx.config.zero_optimization
+        shapes = [(n, tuple(p.shape)) for n, p in self.module.named_parameters() if p.requires_grad]
+        if not shapes:
+            return 0
+        dtype = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(self.ctx.dtype, "fp32")
+        states = model_state_bytes(
+            shapes, stage=z.stage, world_size=self.comm.world_size, dtype=dtype, accelerator=False,
+            reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm,
+            stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
+            stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
+            stage3_max_reuse_distance=z.stage3_max_reuse_distance,
+        )
+        return states.device_total + states.host_total
+
+    def close(self) -> None:
+        if self.refresh is not None:
+            self.refresh.close()
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
