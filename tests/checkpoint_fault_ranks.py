@@ -9,7 +9,7 @@ import torch
 import zkit
 import zkit.checkpoint.save as save
 from zkit.checkpoint import CheckpointError
-from zkit.core.checkpoint_files import _write_error
+from zkit.checkpoint.files import _write_error
 
 
 def save_with_a_full_disk_on_rank_1(save_dir: str) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 import zkit
+from zkit import telemetry
 
 import engine_ranks as er
 
@@ -66,7 +67,7 @@ def probe_and_compile() -> dict:
         if how == "engine.compile":
             engine.compile(backend=backend)
         er.train_engine(engine, 2, 1, 1)
-        out["flops" if how != "eager" else "eager_flops"] = engine.step_probe.flops
+        out["flops" if how != "eager" else "eager_flops"] = telemetry.of(engine).step_probe.flops
         out["graphs"] = backend.graphs
         engine.close()
     return out

@@ -35,7 +35,6 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     join(rank, world, port)
     import deepspeed
     import torch
-    import torch.distributed as dist
 
     from deepspeed_peer_model import PeerNet, batch, ds_config
 
@@ -52,33 +51,53 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
                                           config=ds_config(int(stage), world, dtype, offload="offload" in rest),
                                           dist_init_required=False)
         dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
-
-        def step(k: int) -> float:
-            x, y = batch(k, rank, world)
-            loss = engine(x.to(dt), y.to(dt))
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().float().clone()
-            dist.all_reduce(mean)
-            return mean.item() / world
-
-        before = [step(k) for k in range(args.before)]
         name = run.replace(":", "-")
-        engine.save_checkpoint(os.path.join(args.out, name), client_state={"epoch": 3, "note": "peer"})
-        if rank == 0:  # DeepSpeed's own consolidation, for comparison
-            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-            state = get_fp32_state_dict_from_zero_checkpoint(os.path.join(args.out, name))
-            torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args.out, f"{name}.zero_to_fp32.pt"))
-        saved_scale = float(engine.optimizer.loss_scale) if dtype == "fp16" else 1.0
-        dist.barrier()
-        after = [step(k) for k in range(args.before, args.before + args.after)]
-        results[name] = {"before": before, "after": after, "loss_scale": saved_scale}
+        def consolidate_and_scale(engine) -> dict:
+            if rank == 0:  # DeepSpeed's own consolidation, for comparison
+                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+                state = get_fp32_state_dict_from_zero_checkpoint(os.path.join(args.out, name))
+                torch.save({k: v.clone() for k, v in state.items()}, os.path.join(args.out, f"{name}.zero_to_fp32.pt"))
+            return {"loss_scale": float(engine.optimizer.loss_scale) if dtype == "fp16" else 1.0}
+
+        results[name] = train_save_continue(
+            engine, lambda k: tuple(t.to(dt) for t in batch(k, rank, world)), name, args, world,
+            client_state={"epoch": 3, "note": "peer"}, after_save=consolidate_and_scale)
         engine.destroy()
         del engine
+    finish(results, os.path.join(args.out, "results.json"), rank)
+
+
+def train_save_continue(engine, batch_of, name: str, args: argparse.Namespace, world: int,
+                        client_state: dict | None = None, after_save=None) -> dict:
+    """Train ``args.before`` steps, save ``args.out/name``, train ``args.after`` more; every step's
+    loss averaged over the ranks. ``after_save(engine)`` may add entries to the result."""
+    import torch.distributed as dist
+
+    def step(k: int) -> float:
+        loss = engine(*batch_of(k))
+        engine.backward(loss)
+        engine.step()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        return mean.item() / world
+
+    before = [step(k) for k in range(args.before)]
+    engine.save_checkpoint(os.path.join(args.out, name), client_state=client_state or {})
+    extra = after_save(engine) if after_save is not None else {}
+    dist.barrier()
+    after = [step(k) for k in range(args.before, args.before + args.after)]
+    return {"before": before, "after": after, **extra}
+
+
+def finish(results: dict, path: str, rank: int) -> None:
+    """Write ``results`` (rank 0) and leave every rank together."""
+    import torch.distributed as dist
+
     dist.barrier()
     if rank == 0:
-        with open(os.path.join(args.out, "results.json"), "w") as f:
+        with open(path, "w") as f:
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()

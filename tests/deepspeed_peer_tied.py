@@ -12,7 +12,6 @@ batch's mean) in ``DIR/tied-results.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -55,11 +54,10 @@ def tied_batch(step: int, rank: int, world_size: int) -> tuple[torch.Tensor, tor
 
 
 def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    from deepspeed_peer_run import join
+    from deepspeed_peer_run import finish, join, train_save_continue
 
     join(rank, world, port)
     import deepspeed
-    import torch.distributed as dist
 
     from deepspeed_peer_model import ds_config
 
@@ -69,32 +67,11 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         model = TiedLM()
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                           config=ds_config(int(stage), world, dtype), dist_init_required=False)
-
-        def step(k: int) -> float:
-            loss = engine(*tied_batch(k, rank, world))
-            engine.backward(loss)
-            engine.step()
-            mean = loss.detach().float().clone()
-            dist.all_reduce(mean)
-            return mean.item() / world
-
-        before = [step(k) for k in range(args.before)]
         name = "tied-" + run.replace(":", "-")
-        engine.save_checkpoint(os.path.join(args.out, name))
-        dist.barrier()
-        after = [step(k) for k in range(args.before, args.before + args.after)]
-        results[name] = {"before": before, "after": after}
+        results[name] = train_save_continue(engine, lambda k: tied_batch(k, rank, world), name, args, world)
         engine.destroy()
         del engine
-    dist.barrier()
-    if rank == 0:
-        with open(os.path.join(args.out, "tied-results.json"), "w") as f:
-            json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # past gloo's teardown, which sometimes aborts after the work is done
+    finish(results, os.path.join(args.out, "tied-results.json"), rank)
 
 
 if __name__ == "__main__":

@@ -262,7 +262,8 @@ def hang() -> None:
 
 def diverged_collectives() -> str:
     """Rank 0 all-reduces in the optimizer step while rank 1 waits for a message in backward."""
-    from zkit.core import diagnostics
+    from zkit.core.phases import phase
+    from zkit.torch_distributed import diagnostics
     from zkit.torch_distributed.communicator import TorchCommunicator
 
     class Cfg:
@@ -272,10 +273,10 @@ def diverged_collectives() -> str:
     t = torch.ones(4)
     try:
         if comm.rank == 0:
-            with diagnostics.phase("optimizer.step"):
+            with phase("optimizer.step"):
                 comm.all_reduce(t)
         else:
-            with diagnostics.phase("backward of 'layers.3.mlp'"):
+            with phase("backward of 'layers.3.mlp'"):
                 comm.recv(t, src=0)
     except diagnostics.CollectiveFailed as exc:
         return str(exc)
@@ -287,7 +288,7 @@ def rank_skips_collectives() -> str:
     ends at the timeout with a report instead of hanging."""
     import time
 
-    from zkit.core import diagnostics
+    from zkit.torch_distributed import diagnostics
 
     world = torch.distributed.get_world_size()
     cfg = config(0, "fp32", 1, world, comms_timeout_s=3.0)

@@ -7,7 +7,7 @@ import torch
 
 import zkit
 from zkit.models import GPT, GPTConfig
-from zkit.core.telemetry.live_tensors import live_tensor_bytes
+from zkit.telemetry.live_tensors import live_tensor_bytes
 
 
 def live_bytes_after_steps(stages: list[int], dtype: str) -> dict[int, tuple[int, int]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 import zkit
-from zkit.core.offload_states import OffloadStateTypeEnum, held
+from zkit.zero.offload_states import OffloadStateTypeEnum, held
 
 from engine_ranks import make_model
 
@@ -44,7 +44,7 @@ def train(stage: int, dtype: str, offload_optimizer: bool, round_trip: bool, inc
                           if torch.is_tensor(t) and t.numel() > 1]
         engine.offload_states(include=include)
         if step == 0:
-            moved = held(engine)
+            moved = held(engine.partitioner)
             report = {
                 "bytes": {k.value: moved.nbytes(k) for k in OffloadStateTypeEnum},
                 "kinds": sorted(k.value for k in moved.kinds),
@@ -59,10 +59,10 @@ def train(stage: int, dtype: str, offload_optimizer: bool, round_trip: bool, inc
             except RuntimeError as exc:
                 report["refused"] = str(exc)
             engine.offload_states(include=include)  # a second call moves nothing more
-            report["second_call_same"] = held(engine).nbytes() == moved.nbytes()
+            report["second_call_same"] = held(engine.partitioner).nbytes() == moved.nbytes()
         engine.reload_states()
         if step == 0:
-            report["after_reload"] = held(engine).nbytes()
+            report["after_reload"] = held(engine.partitioner).nbytes()
             report["state_restored"] = all(s.nbytes() > 0 for s in state_storages)
     engine.close()
     return {"losses": losses, **report}

@@ -9,7 +9,7 @@ import torch
 
 import zkit
 from zkit.checkpoint import consolidate
-from zkit.core.checkpoint_files import load_rank_file, read_meta
+from zkit.checkpoint.files import load_rank_file, read_meta
 
 
 class FrozenBase(torch.nn.Module):

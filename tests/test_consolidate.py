@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import zkit
 from zkit.checkpoint import CheckpointError
 from zkit.checkpoint.consolidate import consolidate, write_consolidated
-from zkit.core.checkpoint_files import FORMAT, VERSION, write_meta
+from zkit.checkpoint.files import FORMAT, VERSION, write_meta
 from zkit.checkpoint.save import tensor_aliases
 from zkit.cli import main as cli_main
 from zkit.testing import run_ranks

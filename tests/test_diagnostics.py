@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from zkit.core import diagnostics
+from zkit.core.phases import phase
+from zkit.torch_distributed import diagnostics
 from zkit.testing import run_ranks
 
 import engine_ranks as er
@@ -45,6 +46,6 @@ def test_fingerprints_carry_the_phase():
     import torch
 
     log = diagnostics.FingerprintLog("world")
-    with diagnostics.phase("backward"), diagnostics.phase("reduce 'w'"):
+    with phase("backward"), phase("reduce 'w'"):
         fp = log.record("all_reduce", torch.zeros(2, 3))
     assert fp.describe() == "#1 all_reduce float32[2x3] on group world in backward: reduce 'w'"

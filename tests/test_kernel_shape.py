@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zkit
-from zkit.core.telemetry import NoMonitor
+from zkit.core.monitor import NoMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,3 +95,53 @@ def test_without_the_monitor_plugin_the_engine_writes_nothing(monkeypatch):
     engine = _train(None, steps=1)
     assert isinstance(engine.monitor, NoMonitor)
     engine.monitor.write_events([("Eval/loss", 1.0, 1)])  # user code may still call it
+
+
+class PhaseRecorder:
+    """A third party's view of the engine's work through the telemetry hooks."""
+
+    def __init__(self):
+        self.calls, self.losses = [], []
+
+    def _context(self, what):
+        import contextlib
+
+        @contextlib.contextmanager
+        def recorded():
+            self.calls.append(("enter", what))
+            yield
+            self.calls.append(("exit", what))
+
+        return recorded()
+
+    @zkit.hookimpl
+    def zkit_phase(self, engine, phase):
+        return self._context(phase)
+
+    @zkit.hookimpl
+    def zkit_model_pass(self, engine, direction):
+        return self._context("model " + direction)
+
+    @zkit.hookimpl
+    def zkit_after_step(self, engine, losses):
+        self.losses.append((engine.global_steps, [tuple(loss.shape) for loss in losses]))
+
+
+def test_phases_model_passes_and_steps_reach_a_plugin_in_order():
+    recorder = PhaseRecorder()
+    _train(zkit.Stack(plugins=[recorder]), steps=2)
+    one_step = [("enter", "forward"), ("enter", "model forward"), ("exit", "model forward"), ("exit", "forward"),
+                ("enter", "backward"), ("enter", "model backward"), ("exit", "model backward"), ("exit", "backward"),
+                ("enter", "step"), ("exit", "step")]
+    assert recorder.calls == one_step * 2
+    # the losses come as device tensors: a plugin reads their values only when it needs them
+    assert recorder.losses == [(1, [()]), (2, [()])]
+
+
+def test_without_the_telemetry_plugin_the_engine_trains_and_logs_no_step_line(monkeypatch, caplog):
+    monkeypatch.setenv("ZKIT_BLOCK_PLUGINS", "zkit.telemetry")
+    plugin = Plugin()
+    with caplog.at_level("INFO", logger="zkit"):
+        engine = _train(zkit.Stack(plugins=[plugin]), steps=2)
+    assert engine.global_steps == 2
+    assert plugin.monitor.events == [] and "step 2" not in caplog.text

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.memory_ranks import live_bytes_after_steps
-from zkit.core.telemetry.live_tensors import live_tensor_bytes
+from zkit.telemetry.live_tensors import live_tensor_bytes
 from zkit.testing import run_ranks
 
 # Bytes per parameter at rest on 2 ranks (Adam: two fp32 states): parameters, plus the fp32 master

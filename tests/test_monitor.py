@@ -10,7 +10,7 @@ import attrs
 import pytest
 import torch
 
-from zkit.core.telemetry import ProgressBar, ProgressBarLogHandler, ThroughputMeter, format_bytes, format_step_line, memory_snapshot, write_line
+from zkit.telemetry import ProgressBar, ProgressBarLogHandler, ThroughputMeter, format_bytes, format_step_line, memory_snapshot, write_line
 from zkit.monitor import Monitor
 from zkit.monitor import writers
 

@@ -69,7 +69,7 @@ def test_bad_arguments_say_what_is_wrong(caplog):
     with pytest.raises(ValueError, match="'gpu' is not one of none, cpu, nvme"):
         engine.offload_states(device="gpu")
     engine.offload_states(device=OffloadDeviceEnum.none)
-    assert not engine.__dict__.get("_offloaded_states") or not engine.__dict__["_offloaded_states"].moved
+    assert engine.partitioner.offloaded_states() == []
     engine.offload_states()
     with pytest.raises(RuntimeError, match="engine.step while the engine's states are offloaded"):
         engine.step()

@@ -11,7 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import zkit
 import zkit.activations.checkpointing as ckpt
 from zkit.models.gpt import GPT, GPTConfig
-from zkit.core.telemetry import StepProbe, format_bytes, format_flops, format_memory_line, format_step_line
+from zkit import telemetry
+from zkit.telemetry import StepProbe, format_bytes, format_flops, format_memory_line, format_step_line
 
 from shared_models import saved_tensor_bytes
 
@@ -86,23 +87,23 @@ def test_log_lines_hold_the_memory_breakdown_and_flops(caplog):
 @pytest.mark.parametrize("stage", (0, 3))
 def test_flops_equal_flop_counter_mode_of_forward_and_backward(stage):
     engine = _train(_gpt(), stage=stage, steps=1, every=1000)
-    assert engine.step_probe.flops == _reference_flops(_gpt())
-    metrics = engine.step_probe.metrics(step_time_s=0.5, micro_steps_per_step=3)
-    assert metrics == {"step_flops": 3.0 * engine.step_probe.flops, "flops_per_s": 6.0 * engine.step_probe.flops}
+    assert telemetry.of(engine).step_probe.flops == _reference_flops(_gpt())
+    metrics = telemetry.of(engine).step_probe.metrics(step_time_s=0.5, micro_steps_per_step=3)
+    assert metrics == {"step_flops": 3.0 * telemetry.of(engine).step_probe.flops, "flops_per_s": 6.0 * telemetry.of(engine).step_probe.flops}
     engine.close()
 
 
 def test_checkpointed_flops_include_the_recomputation():
     engine = _train(_gpt(checkpointed=True), steps=1, every=1000)
     plain = _reference_flops(_gpt())
-    assert engine.step_probe.flops == _reference_flops(_gpt(checkpointed=True)) > plain
+    assert telemetry.of(engine).step_probe.flops == _reference_flops(_gpt(checkpointed=True)) > plain
     engine.close()
 
 
 @pytest.mark.parametrize("checkpointed", (False, True))
 def test_cpu_activation_figure_is_the_bytes_saved_for_backward(checkpointed):
     engine = _train(_gpt(checkpointed), steps=1, every=1000)
-    assert engine.step_probe.activation_bytes == saved_tensor_bytes(_gpt(checkpointed), _batch()) > 0
+    assert telemetry.of(engine).step_probe.activation_bytes == saved_tensor_bytes(_gpt(checkpointed), _batch()) > 0
     engine.close()
 
 
@@ -112,7 +113,7 @@ def test_stage3_trains_the_same_with_the_probe_chained_to_its_hooks():
     results = []
     for stage in (0, 3):
         engine = _train(_gpt(), stage=stage, steps=2, every=1000)
-        assert engine.step_probe.activation_bytes > 0
+        assert telemetry.of(engine).step_probe.activation_bytes > 0
         from zkit.zero import GatheredParameters
 
         with GatheredParameters(list(engine.module.parameters())):

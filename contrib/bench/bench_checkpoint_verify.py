@@ -28,7 +28,7 @@ import zkit
 import zkit.checkpoint.digest as digest_mod
 from zkit.checkpoint.digest import VerifiedCopies, tensor_digest, tensors_in
 import zkit.checkpoint.load as zkit_load
-from zkit.core.checkpoint_files import file_digests, rank_file, read_meta
+from zkit.checkpoint.files import file_digests, rank_file, read_meta
 from zkit.models import GPT, GPTConfig
 
 

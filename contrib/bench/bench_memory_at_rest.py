@@ -2,7 +2,7 @@
 
 Both sides train the same GPT from the same seed with the same config (the defaults, bucket sizes
 included) and the same client optimizer (torch's AdamW), take two steps, then count the bytes of
-every tensor storage alive in the rank (:func:`zkit.core.telemetry.live_tensors.live_tensor_bytes`: a walk
+every tensor storage alive in the rank (:func:`zkit.telemetry.live_tensors.live_tensor_bytes`: a walk
 over the garbage collector's objects, not any allocator's bookkeeping) and the resident set. The
 peak during the step is the resident set's high-water mark. ::
 
@@ -47,7 +47,7 @@ def rest_ranks(side: str, w_json: dict[str, Any], stages: list[int]) -> dict[str
     import torch
 
     from zero_workloads import ADAMW, batches, build_model, peak_rss_bytes, rss_bytes
-    from zkit.core.telemetry.live_tensors import live_tensor_bytes
+    from zkit.telemetry.live_tensors import live_tensor_bytes
 
     torch.set_num_threads(1)
     w = Workload.from_json(w_json)

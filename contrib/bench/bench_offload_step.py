@@ -33,6 +33,7 @@ def rank_round(stage: int, layers: int, d_model: int, seq: int, steps: int) -> d
     import torch.distributed as dist
 
     import zkit
+    from zkit import telemetry
     from zkit.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
@@ -59,8 +60,8 @@ def rank_round(stage: int, layers: int, d_model: int, seq: int, steps: int) -> d
             engine.backward(loss)
             engine.step()
             took = time.perf_counter() - start
-            breakdown = engine.wall_clock.totals.get("step", 0.0)
-            engine.wall_clock.take()
+            breakdown = telemetry.of(engine).wall_clock.totals.get("step", 0.0)
+            telemetry.of(engine).wall_clock.take()
             if i:
                 whole.append(took)
                 phase.append(breakdown)

@@ -29,7 +29,8 @@ import zkit.zero
 from zkit.data import ByteTextDataset, decode, encode
 from zkit.models import GPT, GPTConfig
 from zkit.models.gpt import PRESETS
-from zkit.core.telemetry import ProgressBar, ProgressBarLogHandler, format_bytes, write_line
+from zkit import telemetry
+from zkit.telemetry import ProgressBar, ProgressBarLogHandler, format_bytes, write_line
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_DATA = os.path.join(HERE, "data", "austen.txt.gz")
@@ -167,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             prompt, args.sample_bytes, temperature=0.8, top_k=20, generator=torch.Generator(prompt.device).manual_seed(0)
         )[0, prompt.shape[1] :]
     engine.monitor.write_events([("Eval/loss", val_loss, engine.global_steps)])
-    tokens = engine.throughput.total_tokens
+    tokens = telemetry.of(engine).throughput.total_tokens
     say(
         f"trained {engine.global_steps} steps in {train_time:.0f} s ({tokens / train_time:,.0f} tokens/s): "
         f"loss {first_loss:.3f} (first step) -> {sum(recent) / len(recent):.3f} (mean of last {len(recent)})"

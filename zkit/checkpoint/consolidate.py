@@ -21,7 +21,6 @@ place. Either file is written to a temporary and renamed, so a failure never lea
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -40,7 +39,7 @@ import torch
 from zkit.core import checkpoint_formats as formats
 from zkit.checkpoint.digest import Digest, verify_tensor
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.core.checkpoint_files import META, rank_file
+from zkit.checkpoint.files import META, rank_file
 from zkit.checkpoint.piece_source import PieceSource
 from zkit.core.plugin_manager import ZkitPluginManager
 

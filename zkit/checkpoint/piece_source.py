@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.core.checkpoint_files import load_rank_file, rank_file, read_meta
+from zkit.checkpoint.files import load_rank_file, rank_file, read_meta
 
 
 class PieceSource(Protocol):

@@ -1,6 +1,7 @@
 """zkit's built-in checkpoint formats: its own sharded format (``"zkit"``), PyTorch Distributed
 Checkpoint (``"dcp"``, what torchtitan and FSDP2 save) both ways, and Hugging Face's
-``save_pretrained`` directory (``"hf"``, export only)."""
+``save_pretrained`` directory (``"hf"``, export only); and the 16-bit model saves
+(:mod:`zkit.checkpoint.sixteen_bit`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,10 +10,12 @@ from typing import TYPE_CHECKING, Any
 import zkit
 from zkit.checkpoint.dcp import is_dcp, load_dcp, write_dcp
 from zkit.checkpoint.export_hf import looks_like_hf, write_hf_pretrained
-from zkit.core.checkpoint_files import META, tag_directory
+from zkit.checkpoint.files import META
+from zkit.core.checkpoint_tags import tag_directory
 from zkit.checkpoint.load import load_checkpoint
 from zkit.checkpoint.piece_source import RankFiles
 from zkit.checkpoint.save import save_checkpoint
+from zkit.checkpoint.sixteen_bit import consolidated_16bit_state_dict, save_16bit_model
 from zkit.core.records import CheckpointFormatRecord
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,3 +54,13 @@ def zkit_register_checkpoint_formats():
         name="hf", detect=_is_hf, export=write_hf_pretrained,
         description="a Hugging Face save_pretrained directory: config.json and safetensors shards",
     )
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_save_16bit_model(engine: "Engine", path: Path, exclude_frozen_parameters: bool) -> bool:
+    return save_16bit_model(engine, path, exclude_frozen_parameters)
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_consolidated_16bit_state_dict(engine: "Engine", exclude_frozen_parameters: bool) -> dict:
+    return consolidated_16bit_state_dict(engine, exclude_frozen_parameters)

@@ -13,7 +13,8 @@ from zkit.checkpoint import rng
 from zkit.checkpoint.accumulation import refuse_partial_accumulation
 from zkit.checkpoint.digest import payload_digests
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.core.checkpoint_files import FORMAT, LATEST, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
+from zkit.checkpoint.files import FORMAT, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
+from zkit.core.checkpoint_tags import LATEST
 from zkit.checkpoint.parts import model_part
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -25,7 +25,7 @@ from zkit.core.communicator import Communicator
 from zkit.core.config import ZkitConfig, load_config
 from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
 from zkit.core.records import CommunicatorRecord, Record
-from zkit.core.stack import Stack, _config_choice, configure
+from zkit.core.stack import Stack, config_choice, configure
 
 #: the config an assembly is built from when none is given (a batch size is all a config needs)
 DEFAULT_CONFIG: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
@@ -48,6 +48,12 @@ class Assembly:
         self.pm, self.config, self.stack, self.records, self.device = pm, config, stack, records, device
         self._communicators: dict[tuple[str, Any], Communicator] = {}
         self._allocator: Any = None
+        #: the communicator every process group gets: the stack's (or a plugin's) choice, else the
+        #: default. A communicator that wraps another (1-bit compression over torch's) and one an
+        #: optimizer chooses for itself are for the data-parallel gradient exchange only
+        #: (:meth:`gradient_communicator`): other groups get what it wraps, so activations, tied
+        #: weights, losses and norms stay exact.
+        self.communicator_record: CommunicatorRecord = self._unwrapped_choice()
 
     @classmethod
     def build(
@@ -71,16 +77,10 @@ class Assembly:
         return cls(pm, config, merged, records, distributed.default_device())
 
     # -- communicators ------------------------------------------------------------------------------
-    @property
-    def communicator_record(self) -> CommunicatorRecord:
-        """The communicator every process group gets: the stack's (or a plugin's) choice, else the
-        default. A communicator that wraps another (1-bit compression over torch's) and one an
-        optimizer chooses for itself are for the data-parallel gradient exchange only
-        (:meth:`gradient_communicator`): other groups get what it wraps, so activations, tied
-        weights, losses and norms stay exact."""
+    def _unwrapped_choice(self) -> CommunicatorRecord:
         chosen = self.stack.communicator
         record = chosen if isinstance(chosen, CommunicatorRecord) else self.pm.lookup(
-            "communicator", chosen or _config_choice("communicator", self.config))
+            "communicator", chosen or config_choice("communicator", self.config))
         assert isinstance(record, CommunicatorRecord)
         while record.wraps:
             record = self.pm.lookup("communicator", record.wraps)
@@ -128,8 +128,5 @@ class Assembly:
         """Free what the parts created (the allocator's files, communicators' own groups)."""
         if self._allocator is not None:
             self._allocator.close()
-        closed: set[int] = set()
-        for comm in self._communicators.values():
-            if id(comm) not in closed:
-                closed.add(id(comm))
-                comm.close()
+        for comm in self._communicators.values():  # one object per key: each is closed once
+            comm.close()

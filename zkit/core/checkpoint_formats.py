@@ -15,7 +15,7 @@ from typing import Any, Callable
 import attrs
 
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.core.checkpoint_files import LATEST, META, resolve_tag, tag_directory
+from zkit.core.checkpoint_tags import LATEST, resolve_tag, tag_directory
 from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
 from zkit.core.records import CheckpointFormatRecord
 
@@ -36,8 +36,10 @@ class KnownLayout:
     patterns: tuple[str, ...]
 
     def matches(self, where: Path) -> str | None:
-        """The name of a file in ``where`` that looks like this layout, or None."""
-        if not where.is_dir() or (where / META).is_file():
+        """The name of a file in ``where`` that looks like this layout, or None. Asked only about a
+        directory no installed format recognised (a zkit checkpoint, with its metadata file, is
+        recognised by the ``"zkit"`` format first)."""
+        if not where.is_dir():
             return None
         return next((p.name for pattern in self.patterns for p in sorted(where.glob(pattern))), None)
 

@@ -16,49 +16,27 @@ import contextlib
 import logging
 import math
 import os
-import time
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from zkit.core import diagnostics, distributed, host_memory
+from zkit.core import distributed, host_memory, phases
 from zkit.core import checkpoint_formats
 from zkit.core.assembly import Assembly
 from zkit.core.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
 from zkit.core.config import ZkitConfig, load_config
 from zkit.core.microstep import MicroStep
-from zkit.core.offload_states import offload_states, reload_states, require_on_device
 from zkit.core.partitioner import PartitionContext, Partitioner
 from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
 from zkit.core.precision import LossScaler, cast_model
 from zkit.core.records import OptimizerRecord
-from zkit.core.sixteen_bit import consolidated_16bit_state_dict, save_16bit_model
 from zkit.core.stack import Stack, configure
 from zkit.core.stash import Stash
-from zkit.core.telemetry import (
-    NoMonitor,
-    ProgressBarLogHandler,
-    StepProbe,
-    ThroughputMeter,
-    format_memory_line,
-    format_step_line,
-    memory_snapshot,
-)
-from zkit.core.telemetry.wall_clock import WallClock
+from zkit.core.memory import memory_snapshot
+from zkit.core.monitor import NoMonitor
 
 log = logging.getLogger("zkit")
-
-
-def _setup_logging(rank: int) -> None:
-    """Show zkit's step lines on rank 0 unless the application configured logging itself."""
-    if log.handlers or logging.getLogger().handlers:
-        return
-    handler = ProgressBarLogHandler()  # keeps a live progress bar intact on a terminal
-    handler.setFormatter(logging.Formatter("[zkit] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    log.propagate = False
 
 
 def initialize(
@@ -165,7 +143,6 @@ class Engine(torch.nn.Module):
         self.world_comm = self.comm if dp_group is None else self.assembly.communicator(None)
         self.allocator = self.assembly.allocator
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
-        _setup_logging(self.rank)
         # Ranks that built the model from different seeds must still train one model (as DDP and
         # DeepSpeed do): rank 0 of the data-parallel group's values win.
         broadcast_module(self.module, dp_group)
@@ -205,17 +182,12 @@ class Engine(torch.nn.Module):
         self._no_sync = False
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         self._losses: list[torch.Tensor] = []
-        self._step_started = time.perf_counter()
         self.tokens_per_sample: int | None = None  # set it to log tokens/s
         #: compute the global gradient norm every step even without fp16 or clipping (for logging)
         self.track_grad_norm = False
         self._closed = False
         #: metric writers (``engine.monitor.write_events``), from the ``zkit_make_monitor`` hook
         self.monitor = self.pm.hook.zkit_make_monitor(engine=self) or NoMonitor()
-        self.wall_clock = WallClock(self.config.wall_clock_breakdown, self.device)
-        self.throughput = ThroughputMeter()
-        #: FLOPs and saved activations of the first training micro-step, for the step log line
-        self.step_probe = StepProbe(self.module)
         # the built-in activations plugin applies the activation_checkpointing section here, first
         self.pm.hook.zkit_engine_setup(engine=self)
         if self.config.dump_state and self.rank == 0:
@@ -396,10 +368,10 @@ class Engine(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.config.fp16.enabled and self.config.fp16.auto_cast:
             args, kwargs = _to_half((args, kwargs))
-        require_on_device(self, "forward")
+        self._require_on_device("forward")
         # the probe inside the partitioner's context: its saved-tensor hooks pass on to stage 3's
-        with self.wall_clock.time("forward"), diagnostics.phase("forward"), self.partitioner.forward_context(), \
-                self.step_probe.forward():
+        with self._phase("forward"), phases.phase("forward"), self.partitioner.forward_context(), \
+                self._model_pass("forward"):
             return self.module(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -426,8 +398,8 @@ class Engine(torch.nn.Module):
         self.pending_micro_steps += 1
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         micro = self.micro_step_protocol  # the hooks and the partitioner's reduction around it
-        with self.wall_clock.time("backward"), diagnostics.phase("backward"):
-            with micro.backward(loss, boundary), self.step_probe.backward():
+        with self._phase("backward"), phases.phase("backward"):
+            with micro.backward(loss, boundary), self._model_pass("backward"):
                 micro.scale(loss, divide_by_accumulation=scale_wrt_gas).backward(retain_graph=retain_graph)
         return loss
 
@@ -435,7 +407,7 @@ class Engine(torch.nn.Module):
         """End a micro-step; at an accumulation boundary, run the optimizer step."""
         if self.inference_only:
             raise RuntimeError(_NO_OPTIMIZER)
-        require_on_device(self, "step")
+        self._require_on_device("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
@@ -452,7 +424,7 @@ class Engine(torch.nn.Module):
         was applied (False when fp16 overflow skipped it). ``step()`` calls it at an accumulation
         boundary; a ``zkit_train_batch`` implementation that drives its own micro-batches (a
         pipeline schedule) calls it where its schedule steps."""
-        with self.wall_clock.time("step"), diagnostics.phase("optimizer.step"):
+        with self._phase("step"), phases.phase("optimizer.step"):
             self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
         self.pending_micro_steps = 0  # the batch's gradients are spent (or dropped, if skipped)
         return self._step_applied
@@ -515,8 +487,11 @@ class Engine(torch.nn.Module):
         optimizers' compressed or local steps, which exist to save collectives) a rank cannot know
         the others': its own non-finite loss or gradient stops the job rather than letting the
         replicas' steps differ."""
-        loss_bad = any(not torch.isfinite(l).all() for l in self._losses)
-        bad = torch.tensor([float(loss_bad)], dtype=torch.float32, device=self.device)
+        # one flag on the device and one read of it: each read waits for the device to drain
+        bad = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if self._losses:
+            losses = torch.stack([loss.reshape(()) for loss in self._losses]).to(self.device)
+            bad += torch.isfinite(losses).all().logical_not().to(torch.float32)
         grads_finite = self.partitioner.grads_finite()
         if grads_finite is not None:
             bad += grads_finite.logical_not().to(device=self.device, dtype=torch.float32)
@@ -593,68 +568,49 @@ class Engine(torch.nn.Module):
             self._data_cycle = forever()
         return self._data_cycle
 
-    # -- logging ----------------------------------------------------------------------------------
-    def _after_step(self) -> None:
-        now = time.perf_counter()
-        elapsed, self._step_started = now - self._step_started, now
-        self.wall_clock.end_step()
-        samples = self.train_batch_size()
-        self.throughput.update(samples, elapsed, tokens=samples * self.tokens_per_sample if self.tokens_per_sample else None)
-        loss = torch.stack(self._losses).mean().item() if self._losses else float("nan")
-        self._losses = []
-        self.last_loss = loss
-        every = self.config.steps_per_print
-        if (every and self.global_steps % every == 0) or self.config.memory_breakdown:
-            self._log_step(loss)
+    # -- what plugins wrap around the work --------------------------------------------------------
+    def _phase(self, phase: str) -> contextlib.AbstractContextManager:
+        return _enter_all(self.pm.hook.zkit_phase(engine=self, phase=phase))
 
-    def _log_step(self, loss: float) -> None:
-        mem = memory_snapshot(self._memory_stats())
-        mem["buffers_bytes"] = sum(b.numel() * b.element_size() for b in self.module.buffers())
-        probe = self.step_probe
-        if probe.activation_bytes is not None:
-            mem["activations_peak_bytes"] = probe.activation_bytes
-        all_mem = self.comm.all_gather_object(mem) if self.world_size > 1 else [mem]
-        throughput = self.throughput.metrics()
-        metrics = {
-            **self.wall_clock.take(),
-            "loss": loss,
-            "lr": self.get_lr()[0] if self.optimizer.param_groups else 0.0,
-            **throughput,
-            **probe.metrics(throughput["step_time_s"], self.gradient_accumulation_steps()),
-            "rss_per_rank": [m.get("rss_bytes", 0) for m in all_mem],
-            "total_steps": getattr(self.lr_scheduler, "total_num_steps", None),
-        }
-        if self.loss_scaler.enabled:
-            metrics["loss_scale"] = self.loss_scaler.scale
-        if self._grad_norm is not None:
-            metrics["grad_norm"] = self._grad_norm
-        if self.rank == 0:
-            log.info(format_step_line(self.global_steps, metrics))
-            log.info(format_memory_line(all_mem))
-            self.monitor.write_events(
-                [(f"Train/{k}", float(v), self.global_steps) for k, v in metrics.items() if isinstance(v, (int, float))]
-            )
+    def _model_pass(self, direction: str) -> contextlib.AbstractContextManager:
+        return _enter_all(self.pm.hook.zkit_model_pass(engine=self, direction=direction))
+
+    def _after_step(self) -> None:
+        losses, self._losses = self._losses, []
+        self.pm.hook.zkit_after_step(engine=self, losses=losses)
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
         """``exclude_frozen_parameters``: leave parameters with ``requires_grad=False`` out of the
         module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
-        require_on_device(self, "save_checkpoint")
+        self._require_on_device("save_checkpoint")
         save = checkpoint_formats.operation(checkpoint_formats.named(self.pm, checkpoint_formats.NATIVE), "save")
-        with diagnostics.phase("save_checkpoint"):
+        with phases.phase("save_checkpoint"):
             return save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                         exclude_frozen_parameters=exclude_frozen_parameters)
 
     def offload_states(self, include: Any = None, device: Any = "cpu", pin_memory: bool = True,
                        non_blocking: bool = False) -> None:
         """Move optimizer state, master, parameters and gradients off the device until
-        :meth:`reload_states` (DeepSpeed's call; see :mod:`zkit.core.offload_states`)."""
-        offload_states(self, include, device, pin_memory, non_blocking)
+        :meth:`reload_states` (DeepSpeed's call; the partitioner moves them:
+        :meth:`zkit.core.partitioner.Partitioner.offload_states`)."""
+        if self.inference_only:
+            raise ValueError("offload_states() needs an engine with an optimizer: this one was built without one, "
+                             "and holds nothing but the model")
+        self.partitioner.offload_states(include, device, pin_memory, non_blocking)
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what :meth:`offload_states` moved."""
-        reload_states(self, non_blocking)
+        self.partitioner.reload_states(non_blocking)
+
+    def _require_on_device(self, what: str) -> None:
+        """Refuse ``what`` while states are offloaded: their storages are empty, and a kernel
+        reading one would read no memory at all."""
+        kinds = self.partitioner.offloaded_states()
+        if kinds:
+            raise RuntimeError(f"engine.{what} while the engine's states are offloaded ({', '.join(kinds)}); "
+                               f"call engine.reload_states() first")
 
     def save_16bit_model(
         self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
@@ -663,8 +619,11 @@ class Engine(torch.nn.Module):
         (rank 0), DeepSpeed's call. At ZeRO stage 3 it needs
         ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and the
         call returns False with a warning."""
-        with diagnostics.phase("save_16bit_model"):
-            return save_16bit_model(self, save_dir, save_filename, exclude_frozen_parameters)
+        with phases.phase("save_16bit_model"):
+            saved = self.pm.hook.zkit_save_16bit_model(
+                engine=self, path=Path(save_dir) / save_filename, exclude_frozen_parameters=exclude_frozen_parameters
+            )
+        return bool(_answered(saved, "save_16bit_model"))
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         """Whether ZeRO-3 saves gather the 16-bit weights (``stage3_gather_16bit_weights_on_model_save``)."""
@@ -673,7 +632,11 @@ class Engine(torch.nn.Module):
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's
         host (``None`` on the others); every rank calls it."""
-        return consolidated_16bit_state_dict(self, exclude_frozen_parameters)
+        state = self.pm.hook.zkit_consolidated_16bit_state_dict(
+            engine=self, exclude_frozen_parameters=exclude_frozen_parameters
+        )
+        _answered(state, "consolidated_16bit_state_dict")
+        return state if self.world_comm.rank == 0 else None
 
     #: DeepSpeed's name, which Accelerate and transformers call
     _zero3_consolidated_16bit_state_dict = consolidated_16bit_state_dict
@@ -697,7 +660,7 @@ class Engine(torch.nn.Module):
                 "no 'latest' file in %s: nothing loaded; pass tag= to load a specific checkpoint", load_dir
             )
             return None, None
-        with diagnostics.phase("load_checkpoint"):
+        with phases.phase("load_checkpoint"):
             return found.load(self, Path(load_dir), tag,
                               load_optimizer_states=load_optimizer_states and not load_module_only,
                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
@@ -721,6 +684,14 @@ _NO_OPTIMIZER = (
     '{"type": ..., "params": {...}} to the config, choose one with zkit.Stack(optimizer=...), or pass optimizer= '
     "to zkit.initialize"
 )
+
+
+def _answered(result: Any, call: str) -> Any:
+    """A ``firstresult`` hook's answer, refused when no plugin gave one (the built-in blocked)."""
+    if result is None:
+        raise RuntimeError(f"engine.{call}: no plugin answers the hook zkit_{call.lstrip('_')} (the built-in "
+                           f"zkit.checkpoint_formats provides it: is it blocked?)")
+    return result
 
 
 class _InferenceOnly(torch.optim.Optimizer):
@@ -761,6 +732,21 @@ def broadcast_module(module: torch.nn.Module, group: Any = None, bucket_numel: i
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
             bucket = [t] if t is not None else []
+
+
+def _enter_all(contexts: list[contextlib.AbstractContextManager]) -> contextlib.AbstractContextManager:
+    """The contexts the plugins returned (pluggy leaves out ``None`` answers), as one."""
+    if len(contexts) == 1:
+        return contexts[0]
+    return _entered(contexts) if contexts else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _entered(contexts: list[contextlib.AbstractContextManager]) -> Iterator[None]:
+    with contextlib.ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
 
 
 def _rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:

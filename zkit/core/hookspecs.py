@@ -22,11 +22,14 @@ There are two kinds of hooks:
 """
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Iterable
 
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
+    from pathlib import Path
+
     import torch
 
     from zkit.core.config import ZkitConfig
@@ -42,7 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
         SchedulerRecord,
     )
     from zkit.core.stack import Stack
-    from zkit.core.telemetry import MetricsMonitor
+    from zkit.core.monitor import MetricsMonitor
 
 PROJECT = "zkit"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -195,7 +198,7 @@ def zkit_prepare_model(model: torch.nn.Module, stage: int, world_size: int) -> N
 def zkit_make_monitor(engine: Engine) -> MetricsMonitor | None:
     """Return the object behind ``engine.monitor``: it receives the step metrics as ``(tag,
     value, step)`` events on rank 0, and user code may write its own events to it (as DeepSpeed's
-    ``engine.monitor.write_events``). It follows :class:`zkit.core.telemetry.MetricsMonitor`.
+    ``engine.monitor.write_events``). It follows :class:`zkit.core.monitor.MetricsMonitor`.
     The built-in answer (``trylast``, :mod:`zkit.monitor`) opens the writers the ``csv_monitor``
     and ``tensorboard`` sections enable; a plugin answering first replaces it (wrap it with
     ``wrapper=True`` to add a writer beside it). First non-None answer wins."""
@@ -238,6 +241,35 @@ def zkit_after_backward(engine: Engine) -> None:
     """Called after every backward pass of the micro-step protocol (see
     :func:`zkit_before_backward`), once back-propagation and the partitioner's gradient reduction
     of this micro-step have finished."""
+
+
+@hookspec
+def zkit_phase(engine: Engine, phase: str) -> contextlib.AbstractContextManager | None:
+    """Return a context manager the engine enters around one phase of its work, or ``None``.
+
+    ``phase`` is ``"forward"`` (the partitioner's forward context and the model's forward),
+    ``"backward"`` (the micro-step protocol: back-propagation and the partitioner's gradient
+    reduction) or ``"step"`` (the optimizer step at a boundary). The contexts of every plugin
+    are entered in hook order and left in reverse. The built-in telemetry plugin times the
+    phases here (``wall_clock_breakdown``). Keep it cheap: it runs three times per micro-step."""
+
+
+@hookspec
+def zkit_model_pass(engine: Engine, direction: str) -> contextlib.AbstractContextManager | None:
+    """Return a context manager the engine enters around the model's own computation, or
+    ``None``: ``direction`` is ``"forward"`` (the module's forward, inside the partitioner's
+    forward context, so saved-tensor hooks installed here come after stage 3's) or
+    ``"backward"`` (the autograd backward call alone, inside the micro-step protocol). The
+    built-in telemetry plugin counts the first micro-step's FLOPs and activations here."""
+
+
+@hookspec
+def zkit_after_step(engine: Engine, losses: list[torch.Tensor]) -> None:
+    """Called after every global step (an optimizer step, applied or skipped for an fp16
+    overflow), with ``engine.global_steps`` already advanced. ``losses`` are the detached
+    losses of the batch's micro-steps, still on the device: read their values only when you
+    need them (reading one waits for the device). The built-in telemetry plugin logs the step
+    line and hands the metrics to ``engine.monitor`` here."""
 
 
 @hookspec(firstresult=True)
@@ -286,6 +318,24 @@ def zkit_checkpoint_save(engine: Engine) -> dict[str, Any] | None:
 def zkit_checkpoint_load(engine: Engine, state: dict[str, Any]) -> None:
     """Restore what ``zkit_checkpoint_save`` stored. ``state`` maps each plugin's key to what it
     returned at save time (missing keys when the checkpoint was written without the plugin)."""
+
+
+@hookspec(firstresult=True)
+def zkit_save_16bit_model(engine: Engine, path: Path, exclude_frozen_parameters: bool) -> bool | None:
+    """``engine.save_16bit_model``: write the model's ``state_dict`` in its training dtype to
+    ``path`` (one file, written by the world's first rank; every rank calls this) and return whether
+    it was written. ``None`` leaves it to the next plugin, on every rank alike. The built-in
+    (``zkit.checkpoint.sixteen_bit``) gathers partitioned parameters module by module, and at ZeRO
+    stage 3 without ``stage3_gather_16bit_weights_on_model_save`` writes nothing, warns and returns
+    False, as DeepSpeed does."""
+
+
+@hookspec(firstresult=True)
+def zkit_consolidated_16bit_state_dict(engine: Engine, exclude_frozen_parameters: bool) -> dict | None:
+    """``engine.consolidated_16bit_state_dict`` (ZeRO stage 3): the model's whole ``state_dict``
+    in its training dtype on the host of the world's first rank, an empty dict on the others (the
+    engine hands them ``None``); every rank calls it. ``None`` leaves it to the next plugin, on
+    every rank alike."""
 
 
 @hookspec

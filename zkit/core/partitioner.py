@@ -203,6 +203,21 @@ class Partitioner(abc.ABC):
         the model states it holds now (:meth:`memory`)."""
         return sum(self.memory().values())
 
+    def offload_states(self, include: Any, device: Any, pin_memory: bool, non_blocking: bool) -> None:
+        """Move this rank's training states (those of the kinds in ``include``, all when None) off
+        the device until :meth:`reload_states` (``engine.offload_states``, DeepSpeed's call; the
+        ZeRO stages do it in :mod:`zkit.zero.offload_states`). Default: refused."""
+        raise NotImplementedError(f"engine.offload_states(): the partitioner {type(self).__name__} cannot move "
+                                  f"its states off the device")
+
+    def reload_states(self, non_blocking: bool) -> None:
+        """Bring back what :meth:`offload_states` moved. Default: nothing was moved."""
+
+    def offloaded_states(self) -> list[str]:
+        """The kinds of state held off the device now (the engine refuses to run while there are
+        any). Default: none."""
+        return []
+
     def no_sync_allowed(self) -> bool:
         """Whether ``engine.no_sync()`` may skip gradient reduction for this partitioner."""
         return True

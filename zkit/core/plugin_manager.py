@@ -229,6 +229,7 @@ BUILTIN_PLUGINS = (
     ("zkit.checkpoint_formats", "zkit.checkpoint.plugin"),
     ("zkit.monitor", "zkit.monitor.plugin"),
     ("zkit.activations", "zkit.activations.plugin"),
+    ("zkit.telemetry", "zkit.telemetry.plugin"),
 )
 
 

@@ -101,7 +101,9 @@ def _key(value: Any) -> str:
     return value.name if isinstance(value, Record) else str(value).lower()
 
 
-def _config_choice(family: str, config: "ZkitConfig") -> str | None:
+def config_choice(family: str, config: "ZkitConfig") -> str | None:
+    """The record name ``config`` chooses for ``family`` when the stack chooses none (``None``:
+    the family is left empty)."""
     if family == "partitioner":
         return f"zero{config.zero_optimization.stage}"
     if family == "optimizer":
@@ -118,7 +120,7 @@ def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict
     for family in FAMILIES:
         choice = getattr(stack, family)
         if choice is None:
-            choice = _config_choice(family, config)
+            choice = config_choice(family, config)
         if choice is None:
             out[family] = None
         elif isinstance(choice, Record):

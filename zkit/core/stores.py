@@ -7,7 +7,9 @@ hooks (``zkit_before_backward``), not through members here.
 
 :class:`zkit.core.allocator.Allocator` answers ``master_store``, ``param_shard_store`` and
 ``optimizer_stepper`` with ``None`` by default (everything in the allocator's buffers, the
-partitioner steps the optimizer); an offload allocator returns one of these.
+partitioner steps the optimizer); an offload allocator returns one of these. Without one, the ZeRO
+partitioner keeps its master in memory behind the same interface
+(``zkit.zero.memory_store.InMemoryMasterStore``), so it has one code path for both.
 """
 from __future__ import annotations
 
@@ -21,21 +23,32 @@ OptimizerStepper = Callable[[torch.optim.Optimizer], None]
 
 @runtime_checkable
 class MasterStore(Protocol):
-    """The fp32 master of every unit's shard and its gradients, kept elsewhere (stages 2-3). The
-    partitioner's ``self.master`` then holds zero-stride placeholders."""
+    """The fp32 master of every unit's shard and, where :attr:`takes_grads`, its gradients. One
+    kept elsewhere (an allocator's, stages 2-3) leaves zero-stride placeholders in the partitioner's
+    ``self.master``."""
+
+    #: whether the store accumulates the reduced gradient shards (:meth:`add_grad`, stages 2-3);
+    #: if not, the stage keeps them and the store reads them at the step
+    takes_grads: bool
 
     def write_master(self, unit: int, values: torch.Tensor) -> None:
-        """New fp32 values of ``unit``'s master shard; ``values`` may be reused on return."""
+        """New fp32 values of ``unit``'s master shard; ``values`` may be reused on return (it may
+        also be what :meth:`read_master` returned)."""
 
     def read_master(self, unit: int) -> torch.Tensor:
-        """A copy of ``unit``'s master shard in host memory."""
+        """``unit``'s master shard in host memory: a copy, or the shard itself where the store keeps
+        it in memory (write to it, then :meth:`write_master` it, and both cases are served)."""
 
     def add_grad(self, unit: int, grad: torch.Tensor) -> None:
         """Add one micro-step's reduced gradient shard (any device, any float dtype) to what the
         batch accumulated; ``grad`` may be reused on return."""
 
-    def grad_norm_sq(self) -> float:
-        """Squared L2 norm of this rank's accumulated gradients."""
+    def grad_norm_sq(self) -> float | torch.Tensor:
+        """Squared L2 norm of this rank's accumulated gradients (a tensor where they are on the
+        training device, so the host need not wait for it)."""
+
+    def grads_finite(self) -> bool | torch.Tensor:
+        """Whether this rank's accumulated gradients are all finite."""
 
     def zero_grad(self) -> None:
         """The next :meth:`add_grad` of every unit starts a new batch."""
@@ -46,10 +59,15 @@ class MasterStore(Protocol):
         parts of the batch during backward, through its own hooks) raises
         :class:`FloatingPointError` saying so, as :meth:`zkit.core.partitioner.Partitioner.skip_step` does."""
 
+    def bind(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]]) -> None:
+        """The partitioner built ``optimizer`` over its ``owned`` pieces (made from ``self.master``);
+        called once, before any step."""
+
     def step(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]], grad_factor: float,
              publish: Callable[[int, torch.Tensor], None]) -> None:
-        """Step ``optimizer`` over the partitioner's ``owned`` pieces and call
-        ``publish(unit, master)`` for every updated unit."""
+        """Step ``optimizer`` over the partitioner's ``owned`` pieces and copy every updated unit's
+        master into the parameters: ``publish(unit, master)`` returns once ``master`` may be
+        reused (a store whose masters stay put may copy without that wait)."""
 
 
 @runtime_checkable

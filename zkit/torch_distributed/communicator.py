@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import zkit
-from zkit.core import diagnostics
+from zkit.torch_distributed import diagnostics
 from zkit.torch_distributed import collectives
 from zkit.core.communicator import Communicator, DoneHandle, check_op
 from zkit.core.records import CommunicatorRecord
@@ -70,7 +70,7 @@ class TorchCommunicator(Communicator):
 
     With a collective timeout (``comms_timeout_s``, ``ZKIT_COMMS_TIMEOUT_S``) the communicator runs
     on its own group with that timeout, and a collective that fails raises
-    :class:`zkit.core.diagnostics.CollectiveFailed` with every rank's last fingerprints.
+    :class:`zkit.torch_distributed.diagnostics.CollectiveFailed` with every rank's last fingerprints.
     ``flat_collectives`` (``"native"`` or ``"per_rank"``) overrides the backend's choice of
     flat collectives (:func:`zkit.torch_distributed.collectives.choose`)."""
 
@@ -93,7 +93,7 @@ class TorchCommunicator(Communicator):
 
     @contextlib.contextmanager
     def watch(self) -> Iterator[None]:
-        """Turn a failing collective into a :class:`zkit.core.diagnostics.CollectiveFailed` report."""
+        """Turn a failing collective into a :class:`zkit.torch_distributed.diagnostics.CollectiveFailed` report."""
         try:
             yield
         except diagnostics.CollectiveFailed:

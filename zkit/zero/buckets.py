@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any, Callable, Sequence
 
-from zkit.core import diagnostics
+from zkit.core import phases
 from zkit.core.communicator import Handle
 
 
@@ -61,7 +61,7 @@ class GradientBucketer:
                 self._complete_oldest()
             while self.fits is not None and self.in_flight and not self.fits(self.next):
                 self._complete_oldest()
-            with diagnostics.phase(f"reduce {self.names[self.next]}"):
+            with phases.phase(f"reduce {self.names[self.next]}"):
                 self.in_flight.append((self.next, self.launch(self.next)))
             self.next += 1
 

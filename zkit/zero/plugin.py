@@ -10,36 +10,20 @@ from zkit.zero.init_adopt import adopt_init_model
 from zkit.zero.stage3 import Stage3
 
 
+#: stage, class, extra names, what it partitions
+STAGES = (
+    (0, Stage0, ("ddp",), "data parallel: replicated states, bucketed all-reduce overlapping backward"),
+    (1, Stage1, (), "ZeRO-1: optimizer states partitioned"),
+    (2, Stage2, (), "ZeRO-2: optimizer states and gradients partitioned"),
+    (3, Stage3, (), "ZeRO-3: optimizer states, gradients and parameters partitioned"),
+)
+
+
 @zkit.hookimpl(trylast=True)
 def zkit_register_partitioners():
-    yield PartitionerRecord(
-        name="zero0",
-        stage=0,
-        factory=Stage0,
-        aliases=("stage0", "ddp"),
-        description="data parallel: replicated states, bucketed all-reduce overlapping backward",
-    )
-    yield PartitionerRecord(
-        name="zero1",
-        stage=1,
-        factory=Stage1,
-        aliases=("stage1",),
-        description="ZeRO-1: optimizer states partitioned",
-    )
-    yield PartitionerRecord(
-        name="zero2",
-        stage=2,
-        factory=Stage2,
-        aliases=("stage2",),
-        description="ZeRO-2: optimizer states and gradients partitioned",
-    )
-    yield PartitionerRecord(
-        name="zero3",
-        stage=3,
-        factory=Stage3,
-        aliases=("stage3",),
-        description="ZeRO-3: optimizer states, gradients and parameters partitioned",
-    )
+    for stage, factory, aliases, description in STAGES:
+        yield PartitionerRecord(name=f"zero{stage}", stage=stage, factory=factory,
+                                aliases=(f"stage{stage}", *aliases), description=description)
 
 
 @zkit.hookimpl(trylast=True)

@@ -30,12 +30,13 @@ class Stage2(ZeroPartitioner):
 
     def _init_grads(self) -> None:
         #: per unit, this rank's reduced gradient; empty between steps (made at the first reduction
-        #: of a batch), and always empty with a master store (NVMe), which takes the shards itself.
+        #: of a batch), and always empty with a master store that takes the gradients itself (NVMe).
         self.grad_shards: list[torch.Tensor] = []
+        self.store_takes_grads = self.master_store.takes_grads
         self.accumulated = False  # do the shards already hold earlier micro-steps of this batch?
         #: the shards are fp32 host buffers beside the master (optimizer offload), filled by copies
         #: out of the buckets; ``_staged`` holds a later micro-step's chunks until backward ends
-        self.grads_beside_master = self.master_store is None and self.allocator.grads_beside_master()
+        self.grads_beside_master = not self.store_takes_grads and self.allocator.grads_beside_master()
         self._staged: list[torch.Tensor] = []
         buckets = 2 if self.ctx.config.zero_optimization.overlap_comm and len(self.units) > 1 else 1
         self._ring = ScratchRing(max((u.padded for u in self.units), default=0), buckets)
@@ -88,7 +89,7 @@ class Stage2(ZeroPartitioner):
         """The gradient shards, made if the batch has none yet; ``overwritten``: the caller is the
         batch's first reduction, which writes every shard whole (all units are reduced by the end
         of backward), so they need not be zeroed first."""
-        if not self.grad_shards and self.master_store is None:
+        if not self.grad_shards and not self.store_takes_grads:
             make = self.allocator.empty if overwritten else self.allocator.zeros
             if self.grads_beside_master:
                 self.grad_shards = [make(u.shard, torch.float32, "master_grad") for u in self.units]
@@ -113,7 +114,7 @@ class Stage2(ZeroPartitioner):
         flat[u.numel :].zero_()
         if self.pre_scale != 1.0:
             flat[: u.numel].mul_(self.pre_scale)
-        if (self.accumulated or self.master_store is not None or self.accum_dtype != self.comm_dtype
+        if (self.accumulated or self.store_takes_grads or self.accum_dtype != self.comm_dtype
                 or self.grads_beside_master):
             # Later micro-steps reduce in place into the bucket's own chunk (gloo and NCCL allow
             # an output that is this rank's chunk of the input), then add it to the shard: no
@@ -134,7 +135,7 @@ class Stage2(ZeroPartitioner):
         target = self._launched.pop(unit)
         if self.post_scale != 1.0:
             target.mul_(self.post_scale)
-        if self.master_store is not None:
+        if self.store_takes_grads:
             self.master_store.add_grad(unit, target)
         elif self.grads_beside_master:
             # on the compute stream, so the bucket is not written again before the copy has read it
@@ -149,7 +150,7 @@ class Stage2(ZeroPartitioner):
         self._ring.give_back()
 
     def _grad_shards(self):
-        if self.master_store is not None:
+        if self.store_takes_grads:
             raise RuntimeError("the gradient shards are in the allocator's master store (NVMe offload), not in memory")
         return self._ensure_grad_shards()
 
@@ -157,8 +158,7 @@ class Stage2(ZeroPartitioner):
         # Between steps no gradient memory is held: the shards and the scratch buckets go back to
         # the allocator and are made again by the next batch's first reduction (as DeepSpeed and
         # torch's zero_grad(set_to_none=True) do). Peak memory during a step is unchanged.
-        if self.master_store is not None:
-            self.master_store.zero_grad()
+        self.master_store.zero_grad()
         for shard in self.grad_shards:
             self.allocator.release(shard, "master_grad" if self.grads_beside_master else "grad")
         for segment in self._segments:

@@ -23,7 +23,7 @@ from typing import Iterator
 import attrs
 import torch
 
-from zkit.core import diagnostics
+from zkit.core import phases
 from zkit.zero.flat import Unit, persistent_units, plan_units
 from zkit.zero.init_adopt import stage3_groups
 from zkit.zero.returned import returned_params
@@ -126,12 +126,10 @@ class Stage3(Stage2):
             if su.store is not None and su.store is not self.param_store:
                 # built by zkit.zero.Init into a store this partitioner does not use: into memory
                 su.shard_to_memory(self.allocator)
-        for su, m in zip(self.sharded, self.master):
-            # GatheredParameters edits reach the master through ``su.master.copy_``
-            if self.master_store is not None:
-                su.master = _StoredMaster(self.master_store, su.unit.index)
-            else:
-                su.master = None if self.master_is_param else m
+        for su in self.sharded:
+            # GatheredParameters edits reach the master through ``su.master.copy_`` (none to make
+            # where the parameters are the master: writing the shard wrote it)
+            su.master = None if self.master_is_param else _StoredMaster(self.master_store, su.unit.index)
 
     def _done_with_shard(self, unit: Unit) -> None:
         su = self.sharded[unit.index]
@@ -151,7 +149,7 @@ class Stage3(Stage2):
                 # First forward: agree on each gather before issuing it, so ranks running
                 # different modules get an error naming them rather than mismatched collectives.
                 self._check_same_order(self.comm.all_gather_object(self.trace))
-        with diagnostics.phase(f"gather {self.unit_modules[su.unit.index] or 'root'!r}"):
+        with phases.phase(f"gather {self.unit_modules[su.unit.index] or 'root'!r}"):
             su.wait()
             self._prefetch_after(su.unit.index)
 
@@ -328,8 +326,8 @@ class Stage3(Stage2):
 
 
 class _StoredMaster:
-    """``ShardedUnit.master`` for a master kept in the allocator's store: an edit made under
-    ``GatheredParameters`` is written to the store."""
+    """``ShardedUnit.master``: an edit made under ``GatheredParameters`` is written to the master
+    store (in memory: into the shard the optimizer steps)."""
 
     def __init__(self, store, unit: int) -> None:
         self.store, self.unit = store, unit

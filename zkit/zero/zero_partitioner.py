@@ -12,25 +12,21 @@ unit: the fp32 master copy and the optimizer state of those elements. Stage 0 ow
 from __future__ import annotations
 
 import contextlib
-import math
 from typing import Any
 
 import torch
 
 from zkit.core.copies import DONE, Copy
-from zkit.optim.fused_step import FusedStepOptimizer
 from zkit.core.partitioner import GradPiece, PartitionContext, Partitioner, Piece
 from zkit.estimator.model_states import model_state_bytes
 from zkit.zero import full_state
+from zkit.zero import offload_states as offloading
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.init import GatheredParameters
+from zkit.zero.memory_store import InMemoryMasterStore, fuses
 from zkit.zero.param_refresh import ParamRefresh
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def _fuses(optimizer: Any) -> bool:
-    return isinstance(optimizer, FusedStepOptimizer) and optimizer.fuses
 
 
 def _gradient_averaging(config: Any, world: int) -> tuple[str, float, float]:
@@ -86,8 +82,7 @@ class ZeroPartitioner(Partitioner):
         self._build_master()
         self.optimizer = self._build_optimizer()
         self.allocator.check_optimizer(self.optimizer, self.ctx.optimizer.name)
-        #: the optimizer's step writes the 16-bit parameters itself (see :meth:`_attach_copy_out`)
-        self.copy_out = self._attach_copy_out()
+        self.master_store.bind(self.optimizer, self.owned)
         full_state.register(self)  # safe_get_full_fp32_param(param) and friends find this partitioner
         gathers = self.shards_states and self.world > 1 and self.stage in (1, 2)
         #: background parameter all-gathers (``overlap_param_gather``), else None: gathers in step()
@@ -122,34 +117,35 @@ class ZeroPartitioner(Partitioner):
             self.param_bufs.append(buf)
 
     def _build_master(self, copy: bool = False) -> None:
-        """The fp32 master of every unit's shard: the parameters themselves (fp32 on the training
-        device, unless ``copy``), a copy from the allocator, or in the allocator's master store."""
+        """The fp32 master of every unit's shard and the store holding it: the parameters
+        themselves (fp32 on the training device, unless ``copy``) or a copy from the allocator, in
+        memory (:class:`~zkit.zero.memory_store.InMemoryMasterStore`), or the allocator's own
+        master store (stages 2-3 hold gradients as shards, so zkit-offload's NVMe may keep master
+        and gradients elsewhere: ``self.master`` then holds zero-stride placeholders)."""
         place = self.allocator.place("master")
-        # Stages 2-3 hold gradients as shards, so an allocator may keep master and gradients
-        # elsewhere (zkit-offload's NVMe): then ``self.master`` holds zero-stride placeholders.
-        self.master_store = self.allocator.master_store([u.shard for u in self.units]) if self.stage >= 2 else None
-        if self.master_store is not None:
+        store = self.allocator.master_store([u.shard for u in self.units]) if self.stage >= 2 else None
+        if store is None:  # the default: in memory beside the model
+            # fp32 training with the master on the training device: the parameters *are* the master.
+            self.master_is_param = not copy and self.dtype == torch.float32 and place == self.ctx.device
+            if self.master_is_param:
+                self.master = [self._param_shard(u) for u in self.units]
+            else:
+                flat = self.allocator.empty(sum(u.shard for u in self.units), torch.float32, "master")
+                starts = [0]
+                for u in self.units:
+                    starts.append(starts[-1] + u.shard)
+                self.master = [flat[a:b] for a, b in zip(starts, starts[1:])]
+            store = InMemoryMasterStore(self, self.master, self.master_is_param)
+        else:
             self.master_is_param = False
-            placeholder = torch.empty((), dtype=torch.float32, device=self.allocator.place("master"))
+            placeholder = torch.empty((), dtype=torch.float32, device=place)
             self.master = [placeholder.expand(u.shard) for u in self.units]
-            for u in self.units:
-                self.master_store.write_master(u.index, self._param_shard(u))
-                self._done_with_shard(u)
-            return
-        # fp32 training with the master on the training device: the parameters *are* the master.
-        self.master_is_param = not copy and self.dtype == torch.float32 and place == self.ctx.device
-        self.master: list[torch.Tensor] = []
+        self.master_store = store
         if self.master_is_param:
-            self.master = [self._param_shard(u) for u in self.units]
-            return
-        flat = self.allocator.empty(sum(u.shard for u in self.units), torch.float32, "master")
-        start = 0
+            return  # the master is the parameters' shards: nothing to copy
         for u in self.units:
-            m = flat[start : start + u.shard]
-            m.copy_(self._param_shard(u))
+            store.write_master(u.index, self._param_shard(u))
             self._done_with_shard(u)
-            self.master.append(m)
-            start += u.shard
 
     def _done_with_shard(self, unit: Unit) -> None:
         """Called after :meth:`_param_shard` was read (stage 3 returns a stored shard's buffer)."""
@@ -249,75 +245,36 @@ class ZeroPartitioner(Partitioner):
     # -- step ------------------------------------------------------------------------------------
     def grad_norm(self) -> torch.Tensor:
         sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        if self.master_store is not None:
-            sq += self.master_store.grad_norm_sq()  # noted as the gradients were stored
-        else:
-            for g in self._grad_shards():
-                sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(sq.device) ** 2
+        sq += self.master_store.grad_norm_sq()
         if self.shards_states and self.world > 1:
             self.comm.all_reduce(sq, "sum")
         return sq.sqrt()
 
     def grads_finite(self) -> torch.Tensor:
-        # One read pass over the owned pieces, no temporary: a NaN or infinity makes the sum
-        # non-finite (a sum past fp32's range counts too; Adam would square such gradients to inf).
-        # bf16 and fp32 sum in their own dtype (the fast kernel); fp16's range is too small.
-        if self.master_store is not None:
-            return torch.tensor(math.isfinite(self.master_store.grad_norm_sq()), device="cpu")  # noted as stored
-        sums = [(g.sum(dtype=torch.float32) if g.dtype == torch.float16 else g.sum()).float()
-                for g in (piece.grad for piece in self.reduced_grads())]
-        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.tensor(True, device="cpu")
-
-    def _master_grads(self) -> list[torch.Tensor]:
-        shards = self._grad_shards()
-        if self.master_is_param:
-            return shards
-        # To the master's memory and fp32: on the side stream, a bounded number at a time, while
-        # the next ones are issued; the step reads them on the host once each has landed.
-        moved = [self.allocator.copies.to(g, self.master_device, torch.float32) for g in shards]
-        for _, copy in moved:
-            copy.wait()
-        return [g for g, _ in moved]
+        finite = self.master_store.grads_finite()  # a host store may answer with a bool
+        return finite if torch.is_tensor(finite) else torch.tensor(bool(finite), device="cpu")
 
     def step(self, grad_factor: float) -> None:
         self.wait_for_parameters()  # the in-place all-gathers read the shard the step writes
         self.allocator.copies.synchronize()  # copies in flight may still read host buffers the step writes
-        if self.master_store is not None:
-            # master, gradients and state stream through host buffers sub-group by sub-group
-            self.master_store.step(self.optimizer, self.owned, grad_factor, self.publish_from_buffer)
-            self._gather_params()
-            return
-        grads = self._master_grads()
-        # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
-        stepper = self.allocator.optimizer_stepper()
-        fused = stepper is None and _fuses(self.optimizer)
-        if grad_factor != 1.0 and not fused:
-            for g in grads:
-                g.mul_(grad_factor)
-        for opt_param, u, a, b, _ in self.owned:
-            opt_param.grad = grads[u][a:b]
-        if fused:  # one pass: unscale x clip factor, update, 16-bit copy-out
-            self.optimizer.fused_step(grad_factor=grad_factor)
-        elif stepper is not None:
-            stepper(self.optimizer)
-        else:
-            self.optimizer.step()
-        for opt_param, *_ in self.owned:
-            opt_param.grad = None
-        if self.copy_out:
-            self._gather_params()  # the step wrote this rank's shard of the parameters
-        else:
-            self.publish_params()
+        # updates the masters and copies each into this rank's shard of the parameters
+        self.master_store.step(self.optimizer, self.owned, grad_factor, self.publish_from_buffer)
+        self._gather_params()
 
     def skip_step(self) -> None:
-        if self.master_store is not None:
-            self.master_store.skip_step()  # raises when the store applied part of the step already
+        self.master_store.skip_step()  # raises when the store applied part of the step already
         super().skip_step()
+
+    @property
+    def copy_out(self) -> bool:
+        """Whether the optimizer's step writes the 16-bit parameters itself (the in-memory
+        store's fused copy-out, :meth:`zkit.zero.memory_store.InMemoryMasterStore.bind`)."""
+        return bool(getattr(self.master_store, "copy_out", False))
 
     def step_kernel(self) -> str:
         """What the optimizer step runs, for the step log."""
         name = type(self.optimizer).__name__
-        if _fuses(self.optimizer):
+        if fuses(self.optimizer):
             return f"{name}: {self.optimizer.last_kernel}"
         return f"{name}.step (gradients scaled, then the step, then the master copied into the parameters)"
 
@@ -325,24 +282,6 @@ class ZeroPartitioner(Partitioner):
         """The buffer :meth:`_publish_unit` writes a unit's updated master into."""
         lo, hi = self.units[unit].shard_range(self.rank)
         return self.param_bufs[unit][lo:hi]
-
-    def _attach_copy_out(self) -> bool:
-        """With a fused host optimizer and 16-bit parameters in host memory (CPU offload on a CPU,
-        or parameters offloaded at stage 3), let the step write each owned piece's parameters in its
-        own pass: all pieces or none."""
-        if self.master_is_param or self.master_store is not None or not _fuses(self.optimizer):
-            return False
-        if self.allocator.optimizer_stepper() is not None:
-            return False
-        twins = []
-        for opt_param, u, a, b, _ in self.owned:
-            target = self._copy_out_target(u)
-            if target is None or target.device.type != "cpu" or target.dtype not in (torch.float16, torch.bfloat16):
-                return False
-            twins.append((opt_param, target[a:b]))
-        for opt_param, twin in twins:
-            self.optimizer.attach_copy_out(opt_param, twin)
-        return bool(twins)
 
     def publish_params(self) -> None:
         """Copy the updated master shard into the model's parameters and all-gather every unit
@@ -353,9 +292,7 @@ class ZeroPartitioner(Partitioner):
         self._gather_params()
 
     def _master_of(self, unit: int) -> torch.Tensor:
-        """The fp32 master of ``unit``'s shard (read back when the allocator's store holds it)."""
-        if self.master_store is None:
-            return self.master[unit]
+        """The fp32 master of ``unit``'s shard (a copy read back from a store kept elsewhere)."""
         return self.master_store.read_master(unit)
 
     def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
@@ -408,18 +345,19 @@ class ZeroPartitioner(Partitioner):
         return self.refresh.forward() if self.refresh is not None else contextlib.nullcontext()
 
     def after_load(self, pieces: list[Piece]) -> None:
-        if self.master_store is not None:
-            self._store_loaded_masters(pieces)
+        self._store_loaded_masters(pieces)
         self.publish_params()
         self.wait_for_parameters()
 
     def _store_loaded_masters(self, pieces: list[Piece]) -> None:
-        """Write the masters a checkpoint loaded into ``pieces`` (the copies :meth:`pieces` read,
-        in ``self.owned`` order) back to the store."""
-        if len(pieces) != len(self.owned):
-            raise ValueError(f"after_load: {len(pieces)} pieces for the {len(self.owned)} this rank owns")
+        """Write the masters loaded into ``pieces`` (some or all of those :meth:`pieces` gave)
+        back to the store (the in-memory store's own shards: each copy finds its own memory)."""
+        where = {id(opt_param): (unit, a, b) for opt_param, unit, a, b, _ in self.owned}
         loaded: dict[int, list[tuple[int, int, torch.Tensor]]] = {}
-        for piece, (_, unit, a, b, _) in zip(pieces, self.owned):
+        for piece in pieces:
+            if id(piece.opt_param) not in where:
+                raise ValueError(f"after_load: piece {piece.name!r} [{piece.start}:{piece.end}] is not one this rank owns")
+            unit, a, b = where[id(piece.opt_param)]
             loaded.setdefault(unit, []).append((a, b, piece.master))
         for unit, parts in loaded.items():
             master = self.master_store.read_master(unit)
@@ -429,14 +367,13 @@ class ZeroPartitioner(Partitioner):
 
     # -- state -----------------------------------------------------------------------------------
     def pieces(self) -> list[Piece]:
-        """This rank's pieces. A master held in the allocator's store is read into copies here:
-        saving reads them, loading writes into them and :meth:`after_load` stores them back (the
-        partitioner keeps no reference to them: after a save they are freed with the pieces)."""
+        """This rank's pieces. A master the store keeps elsewhere is read into copies here (the
+        in-memory store gives its shards themselves): saving reads them, loading writes into them
+        and :meth:`after_load` stores them back (the partitioner keeps no reference to them: after a
+        save they are freed with the pieces)."""
         self.allocator.copies.synchronize()  # a load writes the masters that copies in flight read
-        masters = [opt_param.data for opt_param, *_ in self.owned]
-        if self.master_store is not None:
-            copies = {u.index: self.master_store.read_master(u.index) for u in self.units}
-            masters = [copies[u][a:b].view(p.shape) for p, u, a, b, _ in self.owned]
+        read = {u.index: self.master_store.read_master(u.index) for u in self.units}
+        masters = [read[u][a:b].view(p.shape) for p, u, a, b, _ in self.owned]
         return [
             Piece(
                 name=piece.slot.name,
@@ -470,6 +407,15 @@ class ZeroPartitioner(Partitioner):
             stage3_max_reuse_distance=z.stage3_max_reuse_distance,
         )
         return states.device_total + states.host_total
+
+    def offload_states(self, include: Any, device: Any, pin_memory: bool, non_blocking: bool) -> None:
+        offloading.offload_states(self, include, device, pin_memory, non_blocking)
+
+    def reload_states(self, non_blocking: bool) -> None:
+        offloading.reload_states(self, non_blocking)
+
+    def offloaded_states(self) -> list[str]:
+        return offloading.offloaded_kinds(self)
 
     def close(self) -> None:
         if self.refresh is not None:

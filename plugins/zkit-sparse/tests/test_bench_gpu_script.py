@@ -22,8 +22,8 @@ def test_cpu_smoke_writes_the_table(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     kernels = {r["variant"]: r for r in rows if r["stage"] == "kernels"}
-    assert set(kernels) == {"dense", "flex", "flex-hand", "torch"}
-    for name in ("flex", "flex-hand", "torch"):
+    assert set(kernels) == {"dense", "flex", "flex-hand", "flex-again", "torch"}
+    for name in ("flex", "flex-hand", "flex-again", "torch"):
         assert "error" not in kernels[name] and kernels[name]["median_s"] > 0
         assert max(kernels[name]["max_abs"].values()) < 2e-2  # bf16 against float64
     gpt = [r for r in rows if r["stage"] == "gpt"]

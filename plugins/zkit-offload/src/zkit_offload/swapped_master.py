@@ -31,6 +31,7 @@ each updated unit into the model's parameters (or the parameter store).
 """
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Callable, Container, Sequence
 
 import torch
@@ -61,6 +62,9 @@ class SwappedMasterStore:
         shard_sizes: elements of this rank's shard of each unit, in unit order.
         sub_group_size: elements per sub-group.
     """
+
+    #: every micro-step's reduced gradient shard comes to :meth:`add_grad`
+    takes_grads = True
 
     def __init__(self, allocator: "NVMeAllocator", shard_sizes: Sequence[int], sub_group_size: int) -> None:
         if sub_group_size < 1:
@@ -210,6 +214,10 @@ class SwappedMasterStore:
         """Squared L2 norm of this rank's accumulated gradients (``inf``/``nan`` on overflow)."""
         return sum(self._sq.values())
 
+    def grads_finite(self) -> bool:
+        """Whether the accumulated gradients are finite (their norm, noted as they were stored)."""
+        return math.isfinite(self.grad_norm_sq())
+
     def zero_grad(self) -> None:
         """The next :meth:`add_grad` of every unit starts a new batch."""
         self.cancel_backward_step()
@@ -243,6 +251,9 @@ class SwappedMasterStore:
         """``{tensor name: elements}`` of every sub-group: master, gradient and the optimizer's
         state (known once :meth:`_plan` has run)."""
         return [{"master": n, "grad": n, **{name: n for name in self._state_names}} for n in self.sizes]
+
+    def bind(self, optimizer: Any, owned: Sequence[tuple[Any, ...]]) -> None:
+        """Nothing to prepare: :meth:`step` steps ``optimizer`` sub-group by sub-group."""
 
     def step_subgroup(self, i: int, tensors: dict[str, torch.Tensor], optimizer: Any, state: Any,
                       group_of: dict[int, dict], grad_factor: float, publish: Callable[[int, torch.Tensor], None],

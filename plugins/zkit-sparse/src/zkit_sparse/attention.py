@@ -86,7 +86,9 @@ class SparseSelfAttention(torch.nn.Module):
         use_kernels: the older switch: ``True`` = ``backend="numba"``, ``False`` =
             ``backend="torch"``, ``None`` = ``backend``.
         flex_block_size: FlexAttention's tile (an int or ``(query, key)`` pair); the layout's
-            blocks are expressed inside partial tiles.
+            blocks are expressed inside partial tiles. Training on CUDA needs a tile that the
+            compiled backward's kernel tiles divide (multiples of 128 on an H100 at head_dim
+            64); another is refused at the first training call, before compiling.
         flex_kernel_options: ``kernel_options`` passed to ``flex_attention`` (tile sizes of
             its forward and backward kernels).
     """
@@ -168,6 +170,14 @@ class SparseSelfAttention(torch.nn.Module):
         nb = seq_len // block
         return self.master_layout[:, :nb, :nb]
 
+    def _every_block_present(self, seq_len: int, layout: torch.Tensor) -> bool:
+        # Once per length: a reduction over the [heads, nb, nb] layout is host time before every
+        # launch otherwise (milliseconds at 16384 tokens on one CPU core).
+        key = ("dense", seq_len)
+        if key not in self._luts:
+            self._luts[key] = bool(layout.all())
+        return self._luts[key]
+
     def lut(self, seq_len: int, device: torch.device) -> BlockLUT:
         key = (seq_len, device)
         if key not in self._luts:
@@ -214,7 +224,7 @@ class SparseSelfAttention(torch.nn.Module):
         kp = (None if key_padding_mask is None else
               _additive(key_padding_mask, self.key_padding_mask_mode, "key_padding_mask"))
         am = None if attn_mask is None else _additive(attn_mask, self.attn_mask_mode, "attn_mask")
-        if bool(layout.all()):
+        if self._every_block_present(seq_len, layout):
             return self._dense(query, key, value, kp, am, scale, dropout)
         backend = self.backend_for(query)
         if backend == "flex":

@@ -18,6 +18,8 @@ from typing import Any, Callable
 
 import torch
 
+from zkit_sparse.flex_backward_tiles import check_backward_tile
+
 #: compiled ``flex_attention`` per torch.compile backend
 _COMPILED: dict[Any, Callable] = {}
 
@@ -75,6 +77,9 @@ def flex_block_sparse_attention(q, k, v, block_mask, scale: float,
         raise RuntimeError(
             "backend 'flex' on the CPU runs the forward only (torch's FlexAttention has no CPU "
             "backward); use backend='torch' to train on the CPU, or call under torch.no_grad()")
+    trains = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    if trains and q.is_cuda:  # refused before compiling, not at the first backward
+        check_backward_tile(tuple(block_mask.BLOCK_SIZE), q.shape[-1], q.dtype, q.device)
     if not torch.is_grad_enabled():  # no graph is built; eager CPU FlexAttention refuses grad inputs
         q, k, v = q.detach(), k.detach(), v.detach()
     reach = max(block_mask.BLOCK_SIZE[0] * block_mask.kv_num_blocks.shape[-1],

@@ -9,7 +9,7 @@ world of one process without it). Plugins do not use this module: they talk to t
 
 Differences from DeepSpeed's module, each on purpose: there is no MPI discovery (ranks come from
 ``zkit run``/torchrun's environment), and the communication logger (``prof=``, ``log_name=``)
-is accepted and ignored: ``zkit.core.diagnostics`` times collectives instead.
+is accepted and ignored: ``zkit.torch_distributed.diagnostics`` times collectives instead.
 """
 from __future__ import annotations
 
@@ -234,6 +234,6 @@ def batch_isend_irecv(p2p_op_list: list, **_logging: Any) -> Any:
 
 
 def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
-    """DeepSpeed's communication-logger summary. zkit keeps no such log (``zkit.core.diagnostics``
+    """DeepSpeed's communication-logger summary. zkit keeps no such log (``zkit.torch_distributed.diagnostics``
     times collectives per phase instead): an empty summary."""
     return {} if return_dict else None

@@ -1,6 +1,6 @@
 """``deepspeed.runtime.zero.offload_config``: DeepSpeed's offload enums and the two offload
 sections as classes (0.19.8's fields and defaults). The enums are zkit's own
-(:mod:`zkit.core.offload_states`), so ``engine.offload_states(device=OffloadDeviceEnum.cpu,
+(:mod:`zkit.zero.offload_states`), so ``engine.offload_states(device=OffloadDeviceEnum.cpu,
 include=[OffloadStateTypeEnum.optim_states])`` takes them as they are. The config classes validate
 as DeepSpeed's do (unknown keys, bounds, the device names) and are what code builds by hand;
 ``initialize`` reads the same keys from the config dict (zkit-offload's schema)."""
@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
-from zkit.core.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
+from zkit.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
            "OffloadStateTypeEnum"]

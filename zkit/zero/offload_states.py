@@ -1,6 +1,8 @@
 """``engine.offload_states()`` / ``engine.reload_states()``: move an engine's training states off
 its device between phases and back (DeepSpeed's calls, as RLHF loops use them: the policy's
-optimizer state leaves the GPU while another model generates).
+optimizer state leaves the GPU while another model generates). The engine reaches this through
+its partitioner (:meth:`zkit.core.partitioner.Partitioner.offload_states`), since what moves is
+the ZeRO partitioner's state.
 
 What moves is storage, not tensor objects: each state's tensors are reduced to the storages they
 view, each storage's bytes are copied into a host buffer and the storage is resized to zero bytes,
@@ -31,7 +33,7 @@ import attrs
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
-    from zkit.core.engine import Engine
+    from zkit.zero.zero_partitioner import ZeroPartitioner
 
 log = logging.getLogger("zkit")
 
@@ -66,7 +68,7 @@ class MovedStorage:
 
 @attrs.define
 class OffloadedStates:
-    """What one engine has offloaded (``engine.offloaded_states``)."""
+    """What one partitioner has offloaded (:func:`held`)."""
 
     moved: list[MovedStorage] = attrs.Factory(list)
     kinds: set[OffloadStateTypeEnum] = attrs.Factory(set)
@@ -93,13 +95,12 @@ def _spare(pool: Any) -> list[torch.Tensor]:
     return list(getattr(pool, "_free", []) or [])
 
 
-def state_tensors(engine: "Engine", kind: OffloadStateTypeEnum) -> Iterator[torch.Tensor]:
-    """The tensors holding ``kind`` in this engine (views included; storages are deduplicated by
-    the caller). The partitioners' attribute names are listed here, in one place."""
-    part = engine.partitioner
-    params = list(engine.module.parameters())
+def state_tensors(part: "ZeroPartitioner", kind: OffloadStateTypeEnum) -> Iterator[torch.Tensor]:
+    """The tensors holding ``kind`` in this partitioner and its model (views included; storages
+    are deduplicated by the caller). The stages' attribute names are listed here, in one place."""
+    params = list(part.module.parameters())
     if kind is OffloadStateTypeEnum.optim_states:
-        yield from _flatten(list(engine.optimizer.state.values()))
+        yield from _flatten(list(part.optimizer.state.values()))
     elif kind is OffloadStateTypeEnum.hp_params:
         yield from _flatten(getattr(part, "master", []))
     elif kind is OffloadStateTypeEnum.lp_params:
@@ -110,7 +111,7 @@ def state_tensors(engine: "Engine", kind: OffloadStateTypeEnum) -> Iterator[torc
         yield from _spare(getattr(part, "_spares", None))
     elif kind is OffloadStateTypeEnum.lp_grads:
         yield from (p.grad for p in params if p.grad is not None)
-        yield from (g["params"][i].grad for g in engine.optimizer.param_groups for i in range(len(g["params"]))
+        yield from (g["params"][i].grad for g in part.optimizer.param_groups for i in range(len(g["params"]))
                     if g["params"][i].grad is not None)
         for name in ("grad_bufs", "grad_shards", "_staged"):
             yield from _flatten(getattr(part, name, []))
@@ -149,8 +150,8 @@ def _device_name(device: Any) -> str:
     return str(value)
 
 
-def _offload_section(engine: "Engine", key: str) -> str:
-    section = engine.config.zero_optimization
+def _offload_section(part: "ZeroPartitioner", key: str) -> str:
+    section = part.ctx.config.zero_optimization
     value = getattr(section, key, None)
     device = getattr(value, "device", None) if value is not None else None
     if device is None and isinstance(value, dict):
@@ -158,13 +159,13 @@ def _offload_section(engine: "Engine", key: str) -> str:
     return str(device or "none").lower()
 
 
-def _refine(engine: "Engine", kinds: list[OffloadStateTypeEnum]) -> list[OffloadStateTypeEnum]:
+def _refine(part: "ZeroPartitioner", kinds: list[OffloadStateTypeEnum]) -> list[OffloadStateTypeEnum]:
     """DeepSpeed's rule: with the optimizer offloaded, its master and state are on the host
     already (and at stage 3 the gradients too); those are not moved."""
-    if _offload_section(engine, "offload_optimizer") == "none":
+    if _offload_section(part, "offload_optimizer") == "none":
         return kinds
     skip = {OffloadStateTypeEnum.hp_params, OffloadStateTypeEnum.optim_states}
-    if engine.partitioner.stage == 3:
+    if part.stage == 3:
         skip.add(OffloadStateTypeEnum.lp_grads)
     return [k for k in kinds if k not in skip]
 
@@ -173,22 +174,18 @@ def _accelerator() -> Any:
     return torch.cuda if torch.cuda.is_available() else None
 
 
-def held(engine: "Engine") -> OffloadedStates:
-    """What ``engine`` has offloaded now (kept on the engine, made on first use)."""
-    return engine.__dict__.setdefault("_offloaded_states", OffloadedStates())
+def held(part: "ZeroPartitioner") -> OffloadedStates:
+    """What ``part`` has offloaded now (kept on the partitioner, made on first use)."""
+    return part.__dict__.setdefault("_offloaded_states", OffloadedStates())
 
 
-def require_on_device(engine: "Engine", what: str) -> None:
-    """Refuse ``what`` while states are offloaded: their storages are empty, and a kernel reading
-    one would read no memory at all."""
-    state = engine.__dict__.get("_offloaded_states")
-    if state is not None and state.moved:
-        kinds = ", ".join(sorted(k.value for k in state.kinds))
-        raise RuntimeError(f"engine.{what} while the engine's states are offloaded ({kinds}); "
-                           f"call engine.reload_states() first")
+def offloaded_kinds(part: "ZeroPartitioner") -> list[str]:
+    """The kinds of state ``part`` holds off the device now (empty: none)."""
+    state = part.__dict__.get("_offloaded_states")
+    return sorted(k.value for k in state.kinds) if state is not None and state.moved else []
 
 
-def offload_states(engine: "Engine", include: Iterable[Any] | None = None, device: Any = OffloadDeviceEnum.cpu,
+def offload_states(part: "ZeroPartitioner", include: Iterable[Any] | None = None, device: Any = OffloadDeviceEnum.cpu,
                    pin_memory: bool = True, non_blocking: bool = False) -> None:
     """Move the states of the kinds in ``include`` (all when None) to ``device`` (only ``cpu``;
     ``none`` does nothing, with a warning, as in DeepSpeed; ``nvme`` is refused). ``pin_memory``
@@ -196,27 +193,24 @@ def offload_states(engine: "Engine", include: Iterable[Any] | None = None, devic
     left as they are."""
     where = _device_name(device)
     kinds = _kinds(include)
-    if _offload_section(engine, "offload_param") != "none":
+    if _offload_section(part, "offload_param") != "none":
         raise ValueError("offload_states() cannot move states of an engine whose parameters are offloaded "
                          "(zero_optimization.offload_param): they already live off the device")
-    if getattr(engine, "inference_only", False) or getattr(engine, "optimizer", None) is None:
-        raise ValueError("offload_states() needs an engine with an optimizer: this one was built without one, "
-                         "and holds nothing but the model")
     if where == OffloadDeviceEnum.none.value:
         log.warning("offload_states(device='none'): no device given, nothing is offloaded")
         return
     if where == OffloadDeviceEnum.nvme.value:
         raise ValueError("offload_states(device='nvme') is not supported: states are offloaded to cpu memory only")
-    state = held(engine)
+    state = held(part)
     done = {m.storage._cdata for m in state.moved}
     pin = pin_memory and _accelerator() is not None
-    for kind in _refine(engine, kinds):
+    for kind in _refine(part, kinds):
         if kind in state.kinds:
             continue
-        for tensor in state_tensors(engine, kind):
+        for tensor in state_tensors(part, kind):
             storage = tensor.untyped_storage()
             key = storage._cdata
-            if key in done or storage.nbytes() == 0 or storage.device != engine.device or not storage.resizable():
+            if key in done or storage.nbytes() == 0 or storage.device != part.ctx.device or not storage.resizable():
                 continue
             nbytes = storage.nbytes()
             host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
@@ -233,9 +227,9 @@ def offload_states(engine: "Engine", include: Iterable[Any] | None = None, devic
         accelerator.empty_cache()
 
 
-def reload_states(engine: "Engine", non_blocking: bool = False) -> None:
+def reload_states(part: "ZeroPartitioner", non_blocking: bool = False) -> None:
     """Bring back everything :func:`offload_states` moved, into the same storages."""
-    state = held(engine)
+    state = held(part)
     for moved in state.moved:
         moved.storage.resize_(moved.nbytes)
         _bytes_of(moved.storage).copy_(moved.host, non_blocking=non_blocking)

@@ -1,5 +1,4 @@
-"""Writes ``docs/config.md`` from the config classes:
-``python -m zkit.core.config.docgen > docs/config.md``.
+"""Write docs/config.md from the config classes: python tools/gen_config_doc.py > docs/config.md
 
 The tables come from the field declarations (type, default, range, documentation, notes), so the
 reference cannot drift from the code.

@@ -1,4 +1,5 @@
-"""File-level helpers: atomic writes, safe reads, the metadata format."""
+"""zkit's checkpoint files: atomic writes, the metadata file, the rank files (the ``"zkit"``
+format's layout; which tag directory a load reads is the core's :mod:`zkit.core.checkpoint_tags`)."""
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +8,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 import torch
@@ -15,7 +16,6 @@ import torch
 from zkit.core.checkpoint_errors import CheckpointError
 
 META = "meta.msgpack"
-LATEST = "latest"
 FORMAT = "zkit-checkpoint"
 #: 2: every tensor of every rank file has a checksum in the metadata (``checksums``)
 VERSION = 2
@@ -27,32 +27,25 @@ def rank_file(rank: int) -> str:
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary in the same directory and a rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-        except OSError as exc:
-            raise _write_error(path, exc) from exc
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    _atomic(path, lambda f: f.write(data), (OSError,))
 
 
 def atomic_torch_save(obj: Any, path: Path) -> None:
+    # torch.save reports a failed write as a RuntimeError
+    _atomic(path, lambda f: torch.save(obj, f), (OSError, RuntimeError))
+
+
+def _atomic(path: Path, write: Callable[[Any], Any], failures: tuple[type[BaseException], ...]) -> None:
+    """``write(file)`` into a temporary beside ``path``, flushed to disk, then renamed over it; a
+    failed write names the file (and a full disk), and leaves no temporary behind."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    os.close(fd)
     try:
         try:
-            with open(tmp, "wb") as f:  # a Python file: a failed write raises OSError with its errno
-                torch.save(obj, f)
+            with os.fdopen(fd, "wb") as f:  # a Python file: a failed write raises OSError with its errno
+                write(f)
                 f.flush()
                 os.fsync(f.fileno())
-        except (OSError, RuntimeError) as exc:
+        except failures as exc:
             raise _write_error(path, exc) from exc
         os.replace(tmp, path)
     except BaseException:
@@ -116,48 +109,3 @@ def load_rank_file(path: Path) -> dict[str, Any]:
     except Exception as exc:
         raise CheckpointError(f"{path}: cannot read checkpoint shard ({type(exc).__name__}: {exc})") from exc
     return data
-
-
-def read_latest(latest: Path) -> str:
-    """The tag a ``latest`` file names: UTF-8 text without NUL bytes (a file that is not, e.g.
-    overwritten by a crash or another program, is refused naming it)."""
-    data = latest.read_bytes()
-    try:
-        tag = data.decode("utf-8").strip()
-    except UnicodeDecodeError as exc:
-        raise CheckpointError(
-            f"{latest}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}); it should hold the tag "
-            f"of the latest checkpoint: rewrite it, or pass tag= to load a specific checkpoint"
-        ) from None
-    if "\0" in tag:
-        raise CheckpointError(
-            f"{latest}: holds a NUL byte (at offset {data.index(0)}); it should hold the tag of the latest "
-            f"checkpoint: rewrite it, or pass tag= to load a specific checkpoint"
-        )
-    return tag
-
-
-def tag_directory(path: Path, tag: str | None) -> Path | None:
-    """The directory ``load_checkpoint(path, tag)`` reads: ``path/tag``, else ``path/<the tag in
-    latest>``; ``None`` without a tag and a ``latest`` file. Unchecked (see :func:`resolve_tag`):
-    for a checkpoint format's ``detect``."""
-    if tag is not None:
-        return path / tag
-    latest = path / LATEST
-    return path / read_latest(latest) if latest.is_file() else None
-
-
-def resolve_tag(load_dir: Path, tag: str | None) -> str:
-    if tag is None:
-        latest = load_dir / LATEST
-        if not latest.is_file():
-            raise CheckpointError(f"{latest}: no 'latest' file; pass tag= to load a specific checkpoint")
-        tag = read_latest(latest)
-        source = f"{latest} names tag {tag!r}, which"
-    else:
-        source = f"tag {tag!r}"
-    # A tag is a directory name inside load_dir: never a path that leads elsewhere.
-    target = (load_dir / tag).resolve()
-    if not tag or target.parent != load_dir.resolve():
-        raise CheckpointError(f"{source} is not a checkpoint directory inside {load_dir}")
-    return tag

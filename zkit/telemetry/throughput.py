@@ -58,7 +58,7 @@ class ThroughputMeter:
 
     def metrics(self) -> dict[str, float]:
         """``samples_per_s``, ``step_time_s`` and, when known, ``tokens_per_s``: keys
-        :func:`zkit.core.telemetry.format_step_line` renders with units."""
+        :func:`zkit.telemetry.format_step_line` renders with units."""
         out = {"samples_per_s": self.samples_per_s, "step_time_s": self.step_time_s}
         tokens = self.tokens_per_s
         if tokens is not None:

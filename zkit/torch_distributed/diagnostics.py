@@ -1,4 +1,5 @@
-"""Failures that explain themselves: what each rank was doing when a collective failed.
+"""Failures that explain themselves: what each rank was doing when a collective of the torch
+communicator failed.
 
 Every collective a communicator issues gets a :class:`Fingerprint` (sequence number, op, shape,
 dtype, group, and the *phase* of training that issued it: ``forward``, ``backward: reduce
@@ -10,50 +11,22 @@ where and where they diverge, instead of hanging until NCCL's 30-minute default.
 """
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import threading
 import time
 from collections import deque
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any
 
 import attrs
 
-from zkit.core.profiling import span
+from zkit.core.phases import current_phase
 
 ENV_TIMEOUT = "ZKIT_COMMS_TIMEOUT_S"
 
 
 class CollectiveFailed(RuntimeError):
     """A collective timed out or lost a peer; the message is the cross-rank report."""
-
-
-class _Phase(threading.local):
-    stack: list[str]
-
-    def __init__(self) -> None:
-        self.stack = []
-
-
-_PHASE = _Phase()
-
-
-@contextlib.contextmanager
-def phase(name: str) -> Iterator[None]:
-    """Name what this rank is doing (nested names are joined with ': '); while a profiler records,
-    the phase is also a range in its trace (:mod:`zkit.core.profiling`)."""
-    _PHASE.stack.append(name)
-    try:
-        with span(name):
-            yield
-    finally:
-        _PHASE.stack.pop()
-
-
-def current_phase() -> str:
-    return ": ".join(_PHASE.stack) or "user code"
 
 
 @attrs.frozen

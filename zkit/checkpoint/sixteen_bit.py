@@ -5,6 +5,9 @@ At stage 3 the weights are partitioned: they are gathered module by module (neve
 at once on any rank) when ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true,
 and otherwise nothing is written and the call returns False with a warning, as DeepSpeed does (the
 sharded checkpoint plus ``zkit consolidate`` is the way out that needs no gathering).
+
+The engine reaches these through the hooks ``zkit_save_16bit_model`` and
+``zkit_consolidated_16bit_state_dict`` (:mod:`zkit.checkpoint.plugin` answers them).
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkit.core.checkpoint_files import atomic_torch_save
+from zkit.checkpoint.files import atomic_torch_save
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine
@@ -22,8 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 log = logging.getLogger("zkit")
 
 
-def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str, exclude_frozen_parameters: bool) -> bool:
-    path = Path(save_dir) / save_filename
+def save_16bit_model(engine: "Engine", path: Path, exclude_frozen_parameters: bool) -> bool:
     zero3 = engine.partitioner.stage == 3
     if zero3 and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
         log.warning(
@@ -41,14 +43,14 @@ def save_16bit_model(engine: "Engine", save_dir: str, save_filename: str, exclud
     return True
 
 
-def consolidated_16bit_state_dict(engine: "Engine", exclude_frozen_parameters: bool = False) -> dict | None:
-    """The model's ``state_dict`` in its training dtype, whole, on the host of rank 0 (``None``
+def consolidated_16bit_state_dict(engine: "Engine", exclude_frozen_parameters: bool) -> dict:
+    """The model's ``state_dict`` in its training dtype, whole, on the host of rank 0 (empty
     elsewhere); partitioned parameters gathered one module at a time. ZeRO stage 3 only, as
     DeepSpeed's ``_zero3_consolidated_16bit_state_dict``; every rank must call it."""
     if engine.partitioner.stage != 3:
         raise ValueError("consolidated_16bit_state_dict requires ZeRO stage 3 (at stages 0-2 every rank holds "
                          "the whole model: use engine.module.state_dict())")
-    return _state_on_rank0(engine, True, exclude_frozen_parameters)
+    return _state_on_rank0(engine, True, exclude_frozen_parameters) or {}
 
 
 def _state_on_rank0(engine: "Engine", zero3: bool, exclude_frozen_parameters: bool) -> dict | None:

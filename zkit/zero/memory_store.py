@@ -1,0 +1,144 @@
+"""The fp32 master kept in memory beside the model: the :class:`~zkit.core.stores.MasterStore` a ZeRO
+partitioner uses when its allocator provides none (every stage, and stages 2-3 without
+zkit-offload's NVMe store).
+
+Here the master shards are tensors the optimizer steps in place: its parameters are views of them,
+a checkpoint reads and writes them directly (:meth:`InMemoryMasterStore.read_master` gives the
+shard itself, not a copy), and fp32 training with the master on the training device makes the
+parameters' own shards the master (``master_is_param``: no copy at all). The gradients stay where
+the stage keeps them (full buffers at stages 0-1, reduced shards at stages 2-3), read at the step.
+The step is the fast one: with a fused optimizer a single pass unscales and clips the gradients,
+updates the master and, with 16-bit parameters in host memory, writes them too (copy-out).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import torch
+
+from zkit.optim.fused_step import FusedStepOptimizer
+
+if TYPE_CHECKING:
+    from zkit.zero.zero_partitioner import ZeroPartitioner
+
+
+def fuses(optimizer: Any) -> bool:
+    """Whether ``optimizer`` runs the fused step (unscale x clip factor, update, copy-out)."""
+    return isinstance(optimizer, FusedStepOptimizer) and optimizer.fuses
+
+
+class InMemoryMasterStore:
+    """The master shards ``master`` (one tensor per unit) of ``owner``, in memory.
+
+    Args:
+        owner: the partitioner; its gradient path (``_grad_shards``, ``reduced_grads``), its
+            allocator (copies, the optimizer stepper) and where it publishes a unit's master
+            (``_publish_unit``, ``_copy_out_target``).
+        master: per unit, this rank's fp32 master shard (the parameters' shards themselves when
+            ``master_is_param``).
+        master_is_param: the parameters are the master: nothing to copy either way.
+    """
+
+    #: the stage keeps its gradients itself (:attr:`zkit.core.stores.MasterStore.takes_grads`)
+    takes_grads = False
+
+    def __init__(self, owner: "ZeroPartitioner", master: list[torch.Tensor], master_is_param: bool) -> None:
+        self.owner = owner
+        self.master = master
+        self.master_is_param = master_is_param
+        #: the optimizer's step writes the 16-bit parameters itself (see :meth:`bind`)
+        self.copy_out = False
+
+    # -- the master ------------------------------------------------------------------------------
+    def write_master(self, unit: int, values: torch.Tensor) -> None:
+        # a view of the shard itself (the parameters when they are the master, or what
+        # read_master gave) is the same memory: copy_ returns at once
+        self.master[unit].copy_(values)
+
+    def read_master(self, unit: int) -> torch.Tensor:
+        """The shard itself (no copy): writes to it are the master's."""
+        return self.master[unit]
+
+    # -- gradients -------------------------------------------------------------------------------
+    def add_grad(self, unit: int, grad: torch.Tensor) -> None:
+        raise RuntimeError("the in-memory master store takes no gradients: the ZeRO stage keeps its own")
+
+    def _grads(self) -> list[torch.Tensor]:
+        return self.owner._grad_shards()
+
+    def grad_norm_sq(self) -> torch.Tensor:
+        """On the training device (no wait for the host)."""
+        sq = torch.zeros((), dtype=torch.float32, device=self.owner.ctx.device)
+        for g in self._grads():
+            sq += torch.linalg.vector_norm(g, dtype=torch.float32).to(sq.device) ** 2
+        return sq
+
+    def grads_finite(self) -> torch.Tensor:
+        # One read pass over the owned pieces, no temporary: a NaN or infinity makes the sum
+        # non-finite (a sum past fp32's range counts too; Adam would square such gradients to inf).
+        # bf16 and fp32 sum in their own dtype (the fast kernel); fp16's range is too small.
+        sums = [(g.sum(dtype=torch.float32) if g.dtype == torch.float16 else g.sum()).float()
+                for g in (piece.grad for piece in self.owner.reduced_grads())]
+        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.tensor(True, device="cpu")
+
+    def zero_grad(self) -> None:
+        """Nothing held: the stage frees its gradients."""
+
+    def skip_step(self) -> None:
+        """Nothing applied before the step: skipping is free."""
+
+    # -- the step --------------------------------------------------------------------------------
+    def bind(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]]) -> None:
+        """With a fused host optimizer and 16-bit parameters in host memory (CPU offload on a CPU,
+        or parameters offloaded at stage 3), let the step write each owned piece's parameters in its
+        own pass: all pieces or none."""
+        if self.master_is_param or not fuses(optimizer) or self.owner.allocator.optimizer_stepper() is not None:
+            return
+        twins = []
+        for opt_param, u, a, b, _ in owned:
+            target = self.owner._copy_out_target(u)
+            if target is None or target.device.type != "cpu" or target.dtype not in (torch.float16, torch.bfloat16):
+                return
+            twins.append((opt_param, target[a:b]))
+        for opt_param, twin in twins:
+            optimizer.attach_copy_out(opt_param, twin)
+        self.copy_out = bool(twins)
+
+    def _master_grads(self) -> list[torch.Tensor]:
+        shards = self._grads()
+        if self.master_is_param:
+            return shards
+        # To the master's memory and fp32: on the side stream, a bounded number at a time, while
+        # the next ones are issued; the step reads them on the host once each has landed.
+        copies = self.owner.allocator.copies
+        moved = [copies.to(g, self.owner.master_device, torch.float32) for g in shards]
+        for _, copy in moved:
+            copy.wait()
+        return [g for g, _ in moved]
+
+    def step(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]], grad_factor: float,
+             publish: Callable[[int, torch.Tensor], None]) -> None:
+        """Step on the master shards in place, then copy each unit's master into the parameters
+        (unless they are the master, or the step wrote them). The masters are not reused, so the
+        copies go out through the partitioner's ``_publish_unit`` (no wait per unit) rather than
+        ``publish``."""
+        grads = self._master_grads()
+        # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
+        stepper = self.owner.allocator.optimizer_stepper()
+        fused = stepper is None and fuses(optimizer)
+        if grad_factor != 1.0 and not fused:
+            for g in grads:
+                g.mul_(grad_factor)
+        for opt_param, u, a, b, _ in owned:
+            opt_param.grad = grads[u][a:b]
+        if fused:  # one pass: unscale x clip factor, update, 16-bit copy-out
+            optimizer.fused_step(grad_factor=grad_factor)
+        elif stepper is not None:
+            stepper(optimizer)
+        else:
+            optimizer.step()
+        for opt_param, *_ in owned:
+            opt_param.grad = None
+        if not (self.copy_out or self.master_is_param):
+            for unit, master in enumerate(self.master):
+                self.owner._publish_unit(unit, master)
