@@ -16,6 +16,13 @@ os.environ.setdefault("ZKIT_RANKS_START", "forkserver")
 if not os.path.exists("/dev/nvidiactl") and not os.environ.get("CUDA_VISIBLE_DEVICES"):
     os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
+ROOT = os.path.dirname(os.path.abspath(__file__))
+# The real DeepSpeed's JIT-built CPU ops (tests/deepspeed_peer_ops.py builds them at set-up) live in
+# the peer environment: in torch's per-user default directory, two checkouts' peer environments
+# rebuild them over each other, minutes each time, whenever the other one has run.
+if os.path.isdir(os.path.join(ROOT, ".venv-peers")):
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(ROOT, ".venv-peers", "torch_extensions"))
+
+sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 pytest_plugins = ["background"]

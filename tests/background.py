@@ -23,6 +23,7 @@ import pickle
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -71,10 +72,12 @@ class _Job:
         self.error: BaseException | None = None
         self.finished = threading.Event()
         self.proc: subprocess.Popen | None = None
+        self.seconds: list[float] = []  # each command's wall time, for the session's summary
 
     def run(self) -> None:
         try:
             for c in self.commands:
+                started = time.monotonic()
                 self.proc = subprocess.Popen(c.argv, env=c.env, cwd=c.cwd, stdout=subprocess.PIPE,
                                              stderr=subprocess.PIPE, text=True)
                 try:
@@ -84,6 +87,7 @@ class _Job:
                     out, err = self.proc.communicate()
                     raise AssertionError(f"{' '.join(c.argv[:4])} ... did not finish within {c.timeout:.0f} s:\n"
                                          + "\n".join((out + err).splitlines()[-40:])) from None
+                self.seconds.append(time.monotonic() - started)
                 self.done.append(subprocess.CompletedProcess(c.argv, self.proc.returncode, out, err))
                 if self.proc.returncode != 0:
                     break
@@ -143,6 +147,12 @@ class Background:
             raise job.error
         return job.root, job.done
 
+    def timings(self) -> list[str]:
+        """One line per job that ran: its fixture, its total and each command's seconds."""
+        return [f"{sum(job.seconds):7.1f} s  {module}::{name}  ("
+                + ", ".join(f"{s:.1f}" for s in job.seconds) + ")"
+                for (module, name), job in self._jobs.items() if job.state == "done"]
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -161,6 +171,16 @@ def pytest_collection_modifyitems(session, config, items) -> None:
     if waits:
         waiting = set(map(id, waits))
         items[:] = [item for item in items if id(item) not in waiting] + waits
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The background jobs' own durations: with the foreground's ``--durations``, which side of the
+    session is its longest."""
+    lines = _BACKGROUND.timings()
+    if lines:
+        terminalreporter.write_sep("=", "background jobs (seconds per command)")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")

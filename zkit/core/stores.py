@@ -8,8 +8,9 @@ hooks (``zkit_before_backward``), not through members here.
 :class:`zkit.core.allocator.Allocator` answers ``master_store``, ``param_shard_store`` and
 ``optimizer_stepper`` with ``None`` by default (everything in the allocator's buffers, the
 partitioner steps the optimizer); an offload allocator returns one of these. Without one, the ZeRO
-partitioner keeps its master in memory behind the same interface
-(``zkit.zero.memory_store.InMemoryMasterStore``), so it has one code path for both.
+partitioner keeps its master and stage 3 its parameter shards in memory behind the same interfaces
+(``zkit.zero.memory_store.InMemoryMasterStore``, ``zkit.zero.memory_param_store.InMemoryParamShardStore``),
+so it has one code path for both.
 """
 from __future__ import annotations
 
@@ -72,12 +73,20 @@ class MasterStore(Protocol):
 
 @runtime_checkable
 class ParamShardStore(Protocol):
-    """Stage-3 parameter shards kept elsewhere, read ahead of the gathers that use them
-    (``zkit/zero/sharded_params.py`` is the only caller besides stage 3's set-up)."""
+    """Where stage-3 parameter shards live: in memory by default, or kept elsewhere by an
+    allocator's store and read ahead of the gathers that use them (``zkit/zero/sharded_params.py``
+    is the only caller besides stage 3's set-up)."""
 
-    dtype: torch.dtype
+    #: the shards' dtype (``None`` for the in-memory store: each shard tensor has its own)
+    dtype: torch.dtype | None
     #: how many units past the gathered ones stage 3 asks to :meth:`prefetch`
     lookahead: int
+    #: the shards are not tensors in memory (``su.shard`` is ``None``): the optimizer cannot step
+    #: them in place (the fp32 master is a copy) nor write them itself; :meth:`put` stores them
+    shards_leave_memory: bool
+    #: :meth:`get` may wait for a gather in flight to free a buffer: stage 3 then issues its
+    #: gathers one by one, never as one batch (a batch is waited for only after it is issued)
+    may_wait_for_buffer: bool
 
     def adopt(self, units: Sequence[Any]) -> None:
         """Take the shards of these :class:`~zkit.zero.sharded_params.ShardedUnit` s: ``su.stored_in(self)``

@@ -29,6 +29,7 @@ from zkit.core.assembly import Assembly
 from zkit.core.config import ZkitConfig
 from zkit.core.config.load import _read_json
 from zkit.zero.flat import plan_units
+from zkit.zero.memory_param_store import IN_MEMORY
 from zkit.zero.param_refresh import wait_for_parameter_refresh
 from zkit.zero.sharded_params import ACTIVE, ShardedUnit, ZeroParameter
 
@@ -97,14 +98,14 @@ class Init:
         config = self.assembly.config
         if given and self.dtype is None:
             self.dtype = config.dtype
-        self.store = None
+        self.store = IN_MEMORY
         if not given or int(config.zero_optimization.stage) != 3:
             self.allocator = self.assembly.pm.lookup("allocator", "flat").factory(self.device, config)
             return
         # The config's allocator places the shards from the start: with ``offload_param`` on the
         # host, a model larger than the device is built without ever being on it whole.
         self.allocator = self.assembly.allocator
-        self.store = self.assembly.param_shard_store(self.dtype or torch.float32)
+        self.store = self.assembly.param_shard_store(self.dtype or torch.float32) or IN_MEMORY
 
     def _gather(self, su: ShardedUnit) -> None:
         su.wait()
@@ -155,8 +156,7 @@ class Init:
             (unit,) = plan_units([(n, p.shape) for n, p in own], 1 << 62, self.comm.world_size)
             su = ShardedUnit.from_params(unit, [p for _, p in own], self.comm, self.allocator, self.comm.rank, type(module).__name__)
             su.release()
-            if self.store is not None:
-                self.store.adopt([su])
+            self.store.adopt([su])
 
     def __exit__(self, *exc: Any) -> None:
         if hasattr(self, "_active"):

@@ -113,7 +113,7 @@ def _init_units(module: torch.nn.Module) -> list[ShardedUnit]:
 def _gather_whole(su: ShardedUnit) -> int:
     """Gather ``su`` and turn its parameters (also those no module holds any more) back into
     ordinary parameters holding their full values; the unit is dropped."""
-    if su.store is not None:  # out of Init's shard store (NVMe): its file goes with it
+    if su.store.shards_leave_memory:  # out of Init's shard store (NVMe): its file goes with it
         su.shard_to_memory()
     su.wait()
     with torch.no_grad():

@@ -8,12 +8,13 @@ whose ``__torch_function__`` gathers a released parameter on use while a stage-3
 forward or backward, and otherwise raises an error that says what to do instead of computing with
 garbage (``state_dict()`` of such a model gives meta tensors: keys and shapes, no values).
 
-A shard normally is a tensor in memory (``ShardedUnit.shard``: on the device, or on the host when
-an allocator places purpose ``"param"`` there). An offload allocator may instead keep it in a
-*shard store* (``ShardedUnit.store``: NVMe files read into a few host buffers), which this module
-reaches only through :meth:`ShardedUnit.local_shard`, :meth:`~ShardedUnit.prefetch_shard`,
-:meth:`~ShardedUnit.set_shard` and the store's ``release``. The gathered full buffer always lives on
-the training device.
+Every shard is in a *shard store* (``ShardedUnit.store``): by default the in-memory one
+(:data:`zkit.zero.memory_param_store.IN_MEMORY`), where the shard is the tensor ``ShardedUnit.shard``
+(on the device, or on the host when an allocator places purpose ``"param"`` there); an offload
+allocator's store may keep it elsewhere (NVMe files read into a few host buffers,
+``store.shards_leave_memory``). This module reaches the shard only through
+:meth:`ShardedUnit.local_shard`, :meth:`~ShardedUnit.prefetch_shard`, :meth:`~ShardedUnit.set_shard`
+and the store's ``release``. The gathered full buffer always lives on the training device.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from zkit.core.copies import DONE, Copy
 from zkit.core.profiling import span
 from zkit.zero.flat import Unit
+from zkit.zero.memory_param_store import IN_MEMORY
 
 
 class _Active:
@@ -133,7 +135,7 @@ class ZeroParameter(torch.nn.Parameter):
         lo, hi = unit.unit.shard_range(unit.comm.rank)
         start, end = max(lo, slot.offset), min(hi, slot.offset + slot.numel)
         with torch._C.DisableTorchFunctionSubclass():
-            if unit.store is None:
+            if not unit.store.shards_leave_memory:
                 return unit.shard[start - lo : max(start, end) - lo]
             # A stored shard is read into a buffer the store reuses: a copy, and the buffer back.
             shard = unit.store.get(unit)
@@ -314,10 +316,11 @@ class ShardedUnit:
         self.grad_spares: SpareBuffers | None = None
         #: the fp32 master of this shard when it is a separate copy (set by the stage-3 partitioner).
         self.master: torch.Tensor | None = None
-        #: where the shard lives when it is not ``shard`` (an offload allocator's store); None: ``shard``.
-        self.store: Any = None
+        #: the store of the shard: in memory (``shard``), or an offload allocator's (``shard`` None)
+        self.store: Any = IN_MEMORY
         self._gather_src: torch.Tensor | None = None
-        #: the gather in flight holds a buffer of ``store`` (given back by ``_done_with_store``)
+        #: the gather in flight holds a buffer of a store whose shards leave memory (given back by
+        #: ``_done_with_store``)
         self._holds_store = False
         #: the last copy into the shard or out of it for a gather (``allocator.copies``)
         self.copy: Copy = DONE
@@ -372,30 +375,25 @@ class ShardedUnit:
     def shard_to_memory(self, allocator: Any = None) -> None:
         """Take the shard out of its store into a buffer of ``allocator`` (the unit's own by
         default), the store forgetting it."""
-        self.shard, self.store = self.store.take(self, allocator or self.allocator), None
+        self.shard, self.store = self.store.take(self, allocator or self.allocator), IN_MEMORY
 
     def local_shard(self) -> torch.Tensor:
         """This rank's shard in memory: ``shard`` itself, or the store's resident copy (waits for
         its read; the store keeps it until the gather that uses it is done)."""
-        return self.shard if self.store is None else self.store.get(self)
+        return self.store.get(self)
 
     def shard_ready(self) -> bool:
         """Whether this rank's shard is in memory now (a stored shard's read has finished)."""
-        return self.store is None or self.store.ready(self)
+        return self.store.ready(self)
 
     def prefetch_shard(self) -> None:
         """Start reading a stored shard ahead of its gather (nothing to do for one in memory)."""
-        if self.store is not None and self.full is None:
+        if self.full is None:
             self.store.prefetch(self)
 
     def set_shard(self, values: torch.Tensor) -> None:
         """New values of this rank's shard (after an optimizer step or an edit)."""
-        if self.store is None:
-            if self.shard.device.type == "cpu":
-                self.copy.synchronize()  # a gather's copy may still be reading the old values
-            self.copy = self.allocator.copies.copy(self.shard, values)
-        else:
-            self.store.put(self, values)
+        self.store.put(self, values)
 
     def fetch(self) -> None:
         """Start gathering (asynchronously) unless gathered or on its way."""
@@ -414,14 +412,14 @@ class ShardedUnit:
             # ahead overlap the compute before them instead of holding it up as they are issued.
             self.copy.wait()
             self.copy = self.handle = self.allocator.copies.copy(self.full, self.local_shard())
-            self._holds_store = self.store is not None
+            self._holds_store = self.store.shards_leave_memory
             if self.copy is DONE:
                 # Copied on this thread (host and device are one memory): the store's buffer is
                 # free for the next read-ahead now, not only once the unit is used.
                 self._done_with_store()
             return
         self._gather_src = self.device_shard(device)
-        self._holds_store = self.store is not None
+        self._holds_store = self.store.shards_leave_memory
         self.handle = self.comm.all_gather(self.full, self._gather_src, async_op=True)
 
     def device_shard(self, device: torch.device) -> torch.Tensor:

@@ -13,7 +13,8 @@ gradient path is stage 2's.
 
 Parameter offload: an allocator that places purpose ``"param"`` on the host keeps the shards there
 (gathers copy them to the device); one whose ``param_shard_store(dtype)`` returns a store keeps them there
-(NVMe), read ahead of the gathers along the recorded order and written back after each step.
+(NVMe), read ahead of the gathers along the recorded order and written back after each step. Without
+one the shards are in the in-memory store (:mod:`zkit.zero.memory_param_store`): one code path.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import torch
 from zkit.core import phases
 from zkit.zero.flat import Unit, persistent_units, plan_units
 from zkit.zero.init_adopt import stage3_groups
+from zkit.zero.memory_param_store import param_shard_store
 from zkit.zero.returned import returned_params
 from zkit.zero.reuse import kept_after_use
 from zkit.zero.sharded_params import ACTIVE, GatheredElements, ShardedUnit, SpareBuffers, unpack_saved
@@ -116,14 +118,13 @@ class Stage3(Stage2):
         return self.sharded[unit.index].local_shard()
 
     def _build_master(self, copy: bool = False) -> None:
-        self.param_store = self.allocator.param_shard_store(self.dtype)
+        self.param_store = param_shard_store(self.allocator, self.dtype)
         # Shards that leave memory cannot be stepped in place: the fp32 master is then a copy
         # even where it could have been the parameters themselves.
-        super()._build_master(copy=copy or self.param_store is not None)
-        if self.param_store is not None:
-            self.param_store.adopt([su for su in self.sharded if not su.persistent])
+        super()._build_master(copy=copy or self.param_store.shards_leave_memory)
+        self.param_store.adopt([su for su in self.sharded if not su.persistent])
         for su in self.sharded:
-            if su.store is not None and su.store is not self.param_store:
+            if su.store.shards_leave_memory and su.store is not self.param_store:
                 # built by zkit.zero.Init into a store this partitioner does not use: into memory
                 su.shard_to_memory(self.allocator)
         for su in self.sharded:
@@ -133,8 +134,7 @@ class Stage3(Stage2):
 
     def _done_with_shard(self, unit: Unit) -> None:
         su = self.sharded[unit.index]
-        if su.store is not None:
-            su.store.release(su)
+        su.store.release(su)
 
     # -- gathering -------------------------------------------------------------------------------
     def _live(self) -> int:
@@ -165,10 +165,11 @@ class Stage3(Stage2):
         # With one rank a "gather" is a copy, no collective other ranks must match: a stored shard
         # still being read is left for a later call (or its use) instead of waiting on the disk
         # here, before the compute this read-ahead is meant to run beside.
-        only_read = self.param_store is not None and self.comm.world_size == 1
-        # One batch of gathers where the backend batches them; not with a shard store, which may
+        store = self.param_store
+        only_read = store.shards_leave_memory and self.comm.world_size == 1
+        # One batch of gathers where the backend batches them; not with a shard store that may
         # wait for a gather in flight to free a buffer (a batch is waited for only after it).
-        with self.comm.coalesced() if self.param_store is None else contextlib.nullcontext():
+        with contextlib.nullcontext() if store.may_wait_for_buffer else self.comm.coalesced():
             for position in range(self._cursor + 1, len(order)):  # indices: no copy of the order
                 su = self.sharded[order[position]]
                 # The window ahead is the prefetch size, counting units gathered already (skipped
@@ -182,9 +183,9 @@ class Stage3(Stage2):
                     break
                 su.fetch()
                 live += su.unit.padded
-        if self.param_store is not None:
+        wanted = store.lookahead
+        if wanted:
             # Read the shards of the units after those ahead of their gathers (NVMe latency).
-            wanted = self.param_store.lookahead
             for position in range(self._cursor + 1, len(order)):
                 if wanted <= 0:
                     break
@@ -304,7 +305,7 @@ class Stage3(Stage2):
 
     def _copy_out_target(self, unit: int) -> torch.Tensor | None:
         su = self.sharded[unit]
-        return su.shard if su.store is None else None  # a stored shard is written through the store
+        return su.shard  # None where the shard left memory: it is written through its store
 
     def _gather_params(self) -> None:
         # The shards changed: a unit still gathered (kept for its reuse by a forward without a

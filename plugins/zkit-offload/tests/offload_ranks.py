@@ -196,7 +196,7 @@ def param_offload_matrix(cases: list[tuple[str, str, str]], nvme_root: str, step
         dirs = [s.dir for s in (getattr(alloc, "swapper", None), getattr(alloc, "param_swapper", None)) if s]
         if param == "nvme":
             result["param_files"] = swap_files(engine, alloc.param_swapper)
-            result["stored_units"] = [su.module_name for su in engine.partitioner.sharded if su.store is not None]
+            result["stored_units"] = [su.module_name for su in engine.partitioner.sharded if su.shard is None]
         engine.close()
         result["dirs_after_close"] = [d.exists() for d in dirs]
         out[(dtype, opt, param)] = result
@@ -243,7 +243,7 @@ def built_into_nvme(nvme_root: str, steps: int = 3) -> dict:
     losses = train(engine, steps, 2)
     out = {"base": base, "losses": losses, "diff": max_diff(params_of(engine), base_params),
            "in_memory_at_build": in_memory_at_build, "built_by": built_by,
-           "stored": sorted(su.module_name for su in engine.partitioner.sharded if su.store is not None)}
+           "stored": sorted(su.module_name for su in engine.partitioner.sharded if su.shard is None)}
     engine.close()
     return out
 
@@ -256,7 +256,7 @@ def ds_tensor_of_stored_shards(nvme_root: str) -> dict:
     world = torch.distributed.get_world_size()
     engine, *_ = zkit.initialize(model=make_model(), config=config(3, "fp32", world, "none", nvme_root, param="nvme"))
     train(engine, 1, 2)
-    stored = [p for p in engine.module.parameters() if p._zkit_unit.store is not None]
+    stored = [p for p in engine.module.parameters() if p._zkit_unit.shard is None]
     pieces = [p.ds_tensor for p in stored]
     with GatheredParameters(stored):
         full = [p.detach().reshape(-1).clone() for p in stored]

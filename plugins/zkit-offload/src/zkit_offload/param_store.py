@@ -49,12 +49,18 @@ class _Buffer:
 class NVMeParamStore:
     """Parameter shards in swap files, read into ``buffer_count`` host buffers on demand.
 
+    Its shards leave memory (:attr:`shards_leave_memory`), and :meth:`get` may wait for a gather
+    in flight to free a buffer (:attr:`may_wait_for_buffer`).
+
     Args:
         swapper: the swapper of ``offload_param.nvme_path``.
         allocator: counts the buffers as purpose ``"param"`` host memory.
         dtype: the shards' dtype (the model's).
         buffer_count, buffer_size, max_in_cpu: ``zero_optimization.offload_param`` settings.
     """
+
+    shards_leave_memory = True
+    may_wait_for_buffer = True
 
     def __init__(self, swapper: NVMeSwapper, allocator: Any, dtype: torch.dtype, *, buffer_count: int,
                  buffer_size: int, max_in_cpu: int) -> None:
@@ -99,7 +105,7 @@ class NVMeParamStore:
             n = su.unit.shard
             if self._in_cpu + n <= self.max_in_cpu:
                 self._in_cpu += n
-                if su.store is not None:
+                if su.shard is None:  # in another store
                     su.shard_to_memory(self.allocator)
             else:
                 swapped.append(su)
@@ -117,7 +123,7 @@ class NVMeParamStore:
         for su in swapped:
             key = f"param{next(self._serial)}.{su.module_name or 'root'}"
             self._key[id(su)] = key
-            if su.store is not None:  # another store's: through this store's first buffer
+            if su.shard is None:  # another store's: through this store's first buffer
                 staging = self.buffers[0]
                 if staging.unit is not None:
                     self.flush()
