@@ -41,10 +41,10 @@ def _gpt() -> GPT:
 
 
 def _fake_engine(alloc, **section):
-    from zkit.activations.settings import section_from
+    from zkit.core.config import load_config
 
-    sec, _ = section_from(section)
-    return types.SimpleNamespace(config=types.SimpleNamespace(activation_checkpointing=sec), allocator=alloc)
+    config = load_config({"train_batch_size": 1, "activation_checkpointing": section}, world_size=1)
+    return types.SimpleNamespace(config=config, allocator=alloc)
 
 
 @pytest.mark.parametrize("policy", ["every", "every_k:2", "type:Block", Block, lambda n, m: n == "blocks.3"])

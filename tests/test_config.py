@@ -9,10 +9,12 @@ import torch
 from zkit.core.config import (
     ConfigError,
     NotImplementedConfigError,
-    ZeroConfig,
     ZkitConfig,
     load_config,
 )
+from zkit.checkpoint.config import checkpoint_config
+from zkit.monitor.config import monitor_sections
+from zkit.zero.config import ZeroConfig, zero_config
 
 BASE = {"train_batch_size": 8}
 
@@ -36,14 +38,14 @@ def test_defaults_match_deepspeed():
     assert cfg.fp16 == cfg.fp16.__class__() and not cfg.fp16.enabled
     assert cfg.fp16.initial_scale_power == 16 and cfg.fp16.loss_scale_window == 1000
     assert cfg.fp16.hysteresis == 2 and cfg.fp16.min_loss_scale == 1.0
-    zero = cfg.zero_optimization
+    zero = zero_config(cfg)
     assert zero.stage == 0 and zero.reduce_bucket_size == 500_000_000
     assert zero.stage3_prefetch_bucket_size == 50_000_000
     assert zero.stage3_param_persistence_threshold == 100_000
     assert zero.stage3_model_persistence_threshold == sys.maxsize
     assert zero.overlap_comm is False and zero.offload_optimizer is None
     assert cfg.optimizer is None and cfg.scheduler is None
-    assert cfg.tensorboard.job_name == "zkit" and cfg.comms_timeout_s == 300.0
+    assert monitor_sections(cfg).tensorboard.job_name == "zkit" and cfg.comms_timeout_s == 300.0
     assert cfg.dtype == torch.float32 and cfg.world_size == 2
 
 
@@ -76,11 +78,11 @@ def test_deepspeed_zero3_file(tmp_path):
     assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu,
             cfg.gradient_accumulation_steps) == (32, 2, 4)
     assert cfg.gradient_clipping == 1.0 and isinstance(cfg.gradient_clipping, float)
-    assert cfg.zero_optimization.sub_group_size == 1_000_000_000
-    assert type(cfg.zero_optimization.sub_group_size) is int
-    assert cfg.zero_optimization.offload_optimizer is None
+    assert zero_config(cfg).sub_group_size == 1_000_000_000
+    assert type(zero_config(cfg).sub_group_size) is int
+    assert zero_config(cfg).offload_optimizer is None
     assert cfg.optimizer.type == "AdamW" and cfg.optimizer.params["betas"] == [0.9, 0.95]
-    assert cfg.checkpoint.tag_validation == "FAIL"
+    assert checkpoint_config(cfg).tag_validation == "FAIL"
     assert cfg.communication_data_type == "bf16"
     assert cfg.dtype == torch.float16
     assert cfg.raw == ds
@@ -91,12 +93,12 @@ def test_old_names():
     cfg = load({"bfloat16": {"enabled": True},
                 "zero_optimization": {"stage3_gather_fp16_weights_on_model_save": True}})
     assert cfg.bf16.enabled and cfg.dtype == torch.bfloat16
-    assert cfg.zero_optimization.stage3_gather_16bit_weights_on_model_save
+    assert zero_config(cfg).stage3_gather_16bit_weights_on_model_save
 
 
 def test_overlap_comm_default_follows_stage():
-    assert load({"zero_optimization": {"stage": 3}}).zero_optimization.overlap_comm is True
-    assert load({"zero_optimization": {"stage": 2}}).zero_optimization.overlap_comm is False
+    assert zero_config(load({"zero_optimization": {"stage": 3}})).overlap_comm is True
+    assert zero_config(load({"zero_optimization": {"stage": 2}})).overlap_comm is False
     assert ZeroConfig(stage=3, overlap_comm=False).overlap_comm is False
 
 
@@ -157,7 +159,7 @@ def test_legacy_cpu_offload_without_plugin_names_the_distribution(plugins_not_in
         "config key 'zero_optimization.offload_optimizer' (device 'cpu') is provided by the "
         "distribution 'zkit-offload', which is not installed: pip install zkit-offload"
     )
-    assert load({"zero_optimization": {"cpu_offload": False}}).zero_optimization.offload_optimizer is None
+    assert zero_config(load({"zero_optimization": {"cpu_offload": False}})).offload_optimizer is None
 
 
 # -- errors ---------------------------------------------------------------------------------
@@ -279,7 +281,7 @@ def test_not_implemented_keys_at_default_are_fine():
     cfg = load({"zero_optimization": {"zero_hpz_partition_size": 1, "zero_quantized_weights": False,
                                       "mics_shard_size": -1},
                 "wandb": {"enabled": False, "project": "p"}, "amp": {"enabled": False}})
-    assert cfg.wandb.project == "p"
+    assert cfg.section("wandb").project == "p"
 
 
 @pytest.mark.parametrize(

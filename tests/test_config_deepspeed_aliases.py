@@ -7,6 +7,7 @@ import pytest
 
 from zkit.core.config import ConfigError, load_config
 from zkit.core.plugin_manager import get_plugin_manager
+from zkit.zero.config import zero_config
 
 #: DeepSpeed's field name -> zkit's key (DeepSpeed's alias), zero_optimization
 ZERO_SHORT_NAMES = {
@@ -29,7 +30,7 @@ def _load(config: dict):
 
 def _value(new: str):
     """A value other than the default, of the key's type."""
-    default = getattr(_load({}).zero_optimization, new)
+    default = getattr(zero_config(_load({})), new)
     return (not default) if isinstance(default, bool) else 12_345
 
 
@@ -37,7 +38,7 @@ def _value(new: str):
 def test_zero_field_names_set_the_stage3_keys(old, new):
     value = _value(new)
     config = _load({"zero_optimization": {"stage": 3, old: value}})
-    assert getattr(config.zero_optimization, new) == value
+    assert getattr(zero_config(config), new) == value
 
 
 def test_zero_field_name_and_alias_together_are_refused():
@@ -70,7 +71,7 @@ def test_lightnings_default_config_loads():
                               "reduce_bucket_size": 200000000, "sub_group_size": 1000000000000},
         "gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
     })
-    assert config.zero_optimization.stage == 2 and config.plugin_sections["aio"].intra_op_parallelism == 1
+    assert zero_config(config).stage == 2 and config.plugin_sections["aio"].intra_op_parallelism == 1
 
 
 @pytest.mark.parametrize("config, message", [

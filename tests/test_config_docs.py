@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 from zkit.core.config.fields import config_fields
-from zkit.core.config.load import builtin_section_paths
+from zkit.core.config.load import section_paths
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -17,7 +17,7 @@ DOCS = ROOT / "docs" / "config.md"
 def test_every_field_is_documented():
     text = DOCS.read_text(encoding="utf-8")
     missing = []
-    for path, cls in builtin_section_paths().items():
+    for path, cls in section_paths().items():
         title = "## Top level" if not path else f"## `{path}`"
         assert title in text, f"section {title!r} missing from docs/config.md"
         body = text.split(title, 1)[1].split("\n## ", 1)[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 import attrs
 
 from zkit.core.config.fields import config_fields, is_section_type, type_options
-from zkit.core.config.load import builtin_section_paths
+from zkit.core.config.load import section_paths
 from zkit.core.plugin_manager import get_plugin_manager
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _runtime_source() -> str:
     """zkit's and the plugins' runtime code, less the config package that declares the keys."""
-    files = [p for p in (ROOT / "zkit").rglob("*.py") if "config" not in p.relative_to(ROOT / "zkit").parts[:1]]
+    files = [p for p in (ROOT / "zkit").rglob("*.py")  # less the files that declare the keys
+             if "config" not in p.relative_to(ROOT / "zkit").parts[:-1] and p.name != "config.py"]
     for src in (ROOT / "plugins").glob("*/src"):
         files += list(src.rglob("*.py"))  # a plugin's config.py refuses what it cannot honour
     files += list((ROOT / "cuda_numba" / "src").rglob("*.py"))
@@ -25,7 +26,7 @@ def _runtime_source() -> str:
 
 
 def _sections() -> dict[str, type]:
-    found = dict(builtin_section_paths())
+    found = dict(section_paths())
     for path, record in get_plugin_manager().config_sections().items():
         found[path] = record.schema
         for f in config_fields(attrs.resolve_types(record.schema)):

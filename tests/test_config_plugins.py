@@ -5,7 +5,9 @@ import attrs
 import pytest
 
 from zkit.core.config import ConfigError, load_config
+from zkit.core.plugin_manager import builtin_config_sections
 from zkit.core.records import ConfigSectionRecord
+from zkit.zero.config import zero_config
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +33,7 @@ def record(path, schema, dist="zkit-test"):
 
 
 SECTIONS = {
+    **builtin_config_sections(),
     "zero_optimization.offload_optimizer": record("zero_optimization.offload_optimizer", OffloadSchema, "zkit-offload"),
     "pipeline": record("pipeline", PipelineSchema, "zkit-pipeline"),
 }
@@ -42,7 +45,7 @@ def test_sections_are_structured_and_reachable():
                        "pipeline": {"stages": 2}}, world_size=1, sections=SECTIONS)
     off = cfg.section("zero_optimization.offload_optimizer")
     assert off == OffloadSchema(device="cpu", buffer_count=8)
-    assert cfg.zero_optimization.offload_optimizer is off
+    assert zero_config(cfg).offload_optimizer is off
     assert cfg.section("pipeline") == PipelineSchema(stages=2)
     assert cfg.section("sparse_attention") is None
     d = cfg.to_dict()
@@ -61,7 +64,7 @@ def test_plugin_schema_may_accept_auto():
 def test_legacy_cpu_offload_goes_to_the_plugin():
     cfg = load_config({**BASE, "zero_optimization": {"cpu_offload": True, "cpu_offload_use_pin_memory": True}},
                       world_size=1, sections=SECTIONS)
-    assert cfg.zero_optimization.offload_optimizer == OffloadSchema(device="cpu", pin_memory=True)
+    assert zero_config(cfg).offload_optimizer == OffloadSchema(device="cpu", pin_memory=True)
 
 
 @pytest.mark.parametrize(

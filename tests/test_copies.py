@@ -1,6 +1,8 @@
-"""The copy queue (zkit/core/copies.py): plain copies on a CPU-only run; with streams, each copy runs on
-the side stream after an event of the compute stream, its consumer waits on its own event, and
-no more than ``max_in_flight`` copies are outstanding. The streams are
+"""Copies between an allocator's buffers. The kernel's default (zkit/core/copies.py) copies on the
+caller's thread, so an allocator without streams needs nothing; the built-in allocators' copy
+queue (zkit/zero/copy_queue.py) makes plain copies on a CPU-only run and, with streams, runs each
+copy on the side stream after an event of the compute stream, its consumer waiting on its own
+event, with no more than ``max_in_flight`` copies outstanding. The streams are
 :class:`zkit.fake_streams.FakeStreams`, whose copies run only when waited for."""
 from __future__ import annotations
 
@@ -8,25 +10,38 @@ import pytest
 import torch
 
 from zkit.core.allocator import Allocator
-from zkit.core.copies import DONE, CopyQueue, default_streams
+from zkit.core.copies import DONE, SynchronousCopies
 from zkit.fake_streams import FakeStreams
+from zkit.zero.copy_queue import CopyQueue, default_streams
+from zkit.zero.device_allocator import DeviceAllocator
 
 
 class _Device(Allocator):
+    """A third-party allocator: no copies of its own."""
+
     def place(self, purpose):
         return self.device
 
 
-def test_a_cpu_only_run_copies_in_place_without_streams():
-    assert default_streams(torch.device("cpu")) is None
-    queue = _Device(torch.device("cpu")).copies
-    assert not queue.active
+@pytest.mark.parametrize("copies", [_Device(torch.device("cpu")).copies, CopyQueue("cpu")],
+                         ids=["kernel default", "copy queue"])
+def test_a_cpu_only_run_copies_in_place_without_streams(copies):
     src, dst = torch.arange(5.0), torch.zeros(5)
-    assert queue.copy(dst, src) is DONE and torch.equal(dst, src) and len(queue) == 0
-    moved, copy = queue.to(src, torch.device("cpu"), torch.bfloat16)
+    assert copies.copy(dst, src) is DONE and torch.equal(dst, src)
+    moved, copy = copies.to(src, torch.device("cpu"), torch.bfloat16)
     assert copy is DONE and moved.dtype == torch.bfloat16 and torch.equal(moved.float(), src)
-    same, _ = queue.to(src, torch.device("cpu"))
+    same, _ = copies.to(src, torch.device("cpu"))
     assert same is src  # as Tensor.to: nothing to move, nothing copied
+    copies.synchronize()
+    DONE.wait()
+    DONE.synchronize()
+
+
+def test_an_allocator_without_streams_copies_on_the_callers_thread_and_the_builtin_queues():
+    assert isinstance(_Device(torch.device("cpu")).copies, SynchronousCopies)
+    queue = DeviceAllocator(torch.device("cpu")).copies
+    assert isinstance(queue, CopyQueue) and not queue.active and len(queue) == 0
+    assert default_streams(torch.device("cpu")) is None
 
 
 @pytest.mark.skipif(torch.accelerator.is_available(), reason="checks the CPU-only answer")

@@ -15,7 +15,7 @@ linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="gl
 def _rss_after_churn(env_extra: dict[str, str], before_churn: str = "applied = hm.return_freed_memory()") -> tuple[bool, int]:
     code = f"""
 import gc, torch
-import zkit.core.host_memory as hm
+import zkit.host_memory.malloc_policy as hm
 {before_churn}
 def rss():
     with open("/proc/self/status") as f:
@@ -77,7 +77,7 @@ def test_auto_returns_freed_memory_once_the_model_states_take_a_third_of_the_ran
 
 
 def test_the_rank_limit_is_the_tightest_cgroup_limit_or_the_machine_shared_by_its_ranks(tmp_path: Path):
-    import zkit.core.host_memory as hm
+    import zkit.host_memory.malloc_policy as hm
 
     def files(cgroup: str, limits: dict[str, str], mem_kib: int = 16 << 20) -> Path:
         root = tmp_path / str(len(list(tmp_path.iterdir())))
@@ -109,16 +109,16 @@ def _engine_fixes_threshold(limit_bytes: int) -> tuple[bool, int]:
     import torch
 
     import zkit
-    import zkit.core.host_memory as hm
+    import zkit.host_memory.malloc_policy as hm
 
     hm.rank_memory_limit = lambda local_ranks=1, root=None: limit_bytes  # this rank's memory, as a cgroup would set it
     model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 8))
     engine, *_ = zkit.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
         "zero_optimization": {"stage": 2}})
-    from zkit.core.engine import _host_state_bytes
+    from zkit.host_memory.plugin import host_state_bytes
 
-    return hm._applied, _host_state_bytes(engine)
+    return hm._applied, host_state_bytes(engine)
 
 
 @linux_only
@@ -134,7 +134,7 @@ def test_initialize_returns_freed_memory_when_the_model_states_are_tight():
 
 
 def test_a_bad_choice_is_named(monkeypatch):
-    import zkit.core.host_memory as hm
+    import zkit.host_memory.malloc_policy as hm
 
     monkeypatch.setenv("ZKIT_HOST_MALLOC", "yes")
     with pytest.raises(ValueError, match="ZKIT_HOST_MALLOC='yes': expected 'auto' .*'return' .*or 'keep'"):
@@ -142,3 +142,41 @@ def test_a_bad_choice_is_named(monkeypatch):
     monkeypatch.setenv("ZKIT_HOST_MALLOC", "default")
     with pytest.raises(ValueError, match="ZKIT_HOST_MALLOC='default'"):
         hm.return_freed_memory()
+
+
+def _libc_calls_while_training(limit_bytes: int) -> tuple[list[str], float]:
+    """The C library functions the host-memory policy called while a stage-3 model was built under
+    ``zkit.zero.Init``, initialized and trained two steps; the last loss."""
+    import torch
+
+    import zkit
+    import zkit.host_memory.malloc_policy as hm
+
+    calls: list[str] = []
+    hm.rank_memory_limit = lambda local_ranks=1, root=None: limit_bytes
+    hm._libc_function = lambda name, argtypes: calls.append(name)  # records, and runs nothing
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}}
+    with zkit.zero.Init(config=config):
+        model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 1))
+    engine, *_ = zkit.initialize(model=model, config=config)
+    torch.manual_seed(0)
+    for _ in range(2):
+        loss = engine(torch.randn(2, 16)).square().mean()
+        engine.backward(loss)
+        engine.step()
+    return calls, float(loss)
+
+
+@linux_only
+def test_the_policy_is_a_plugin_and_blocking_it_leaves_malloc_alone():
+    """The built-in ``zkit.host_memory`` applies ZKIT_HOST_MALLOC through the engine's hooks (and
+    zero.Init's): with it blocked, training runs and glibc is neither tuned nor trimmed."""
+    tight = 1 << 10  # any model is tight in a kibibyte: ``auto`` would fix the threshold
+    (used, loss_used), = run_ranks(_libc_calls_while_training, 1, args=(tight,), env={"ZKIT_HOST_MALLOC": "auto"})
+    assert "mallopt" in used and used.count("malloc_trim") == 2  # after zero.Init and after initialize
+    for choice in ("auto", "return"):
+        env = {"ZKIT_HOST_MALLOC": choice, "ZKIT_BLOCK_PLUGINS": "zkit.host_memory"}
+        (blocked, loss_blocked), = run_ranks(_libc_calls_while_training, 1, args=(tight,), env=env)
+        assert blocked == []
+        assert loss_blocked == loss_used

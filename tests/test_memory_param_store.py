@@ -28,7 +28,7 @@ def test_without_a_plugin_store_every_shard_is_in_the_in_memory_store(dtype):
             assert su.store is IN_MEMORY and IN_MEMORY.ready(su)
             # the shard itself, no copy: stage 3 steps it in place and copies out into it
             assert su.local_shard() is su.shard
-            assert part._copy_out_target(su.unit.index) is su.shard
+            assert part.publish_target(su.unit.index) is su.shard
         er.train_engine(engine, 2, 1, 1)
         # a put is the shard's new values
         su = part.sharded[0]
@@ -85,3 +85,8 @@ def test_a_plugin_store_missing_a_member_is_refused_at_set_up_naming_it():
     with pytest.raises(TypeError, match=r"returned OldStore, which is not a zkit.core.stores.ParamShardStore: "
                                         r"it lacks may_wait_for_buffer, shards_leave_memory"):
         param_shard_store(Allocator(), torch.float32)
+    # the members are listed once, when the module loads, and are every member of the protocol
+    from zkit.zero.memory_param_store import PARAM_SHARD_STORE_MEMBERS
+    assert set(PARAM_SHARD_STORE_MEMBERS) == {
+        "dtype", "lookahead", "shards_leave_memory", "may_wait_for_buffer",
+        "adopt", "take", "prefetch", "ready", "get", "release", "put"}

@@ -3,6 +3,7 @@ interface as a plugin's store (``zkit/zero/memory_store.py``), so the partitione
 from __future__ import annotations
 
 import pathlib
+import re
 
 import pytest
 import torch
@@ -10,7 +11,11 @@ import torch
 import zkit
 from zkit.core.stores import MasterStore
 from zkit.zero.full_state import get_full_fp32_param, set_full_fp32_param
-from zkit.zero.memory_store import InMemoryMasterStore
+from zkit.zero.memory_store import InMemoryMasterStore, MasterOwner
+from zkit.zero.stage0 import Stage0
+from zkit.zero.stage1 import Stage1
+from zkit.zero.stage2 import Stage2
+from zkit.zero.stage3 import Stage3
 
 import engine_ranks as er
 
@@ -55,6 +60,18 @@ def test_the_in_memory_store_takes_no_gradients():
             engine.partitioner.master_store.add_grad(0, torch.zeros(1))
     finally:
         engine.close()
+
+
+def test_the_in_memory_store_uses_only_public_members_of_its_partitioner():
+    text = (ZERO / "memory_store.py").read_text()
+    assert re.findall(r"owner\._\w+", text) == []
+    # what it uses is the MasterOwner protocol, and the partitioners have every member of it
+    used = set(re.findall(r"owner\.(\w+)", text))
+    members = {n for n in vars(MasterOwner) if not n.startswith("_")} | set(MasterOwner.__annotations__)
+    assert used <= members, used - members
+    for cls in (Stage0, Stage1, Stage2, Stage3):
+        assert all(hasattr(cls, name) for name in members - {"ctx", "allocator"}), cls
+        assert not any(hasattr(cls, "_" + name) for name in members), cls
 
 
 def test_the_partitioner_never_asks_whether_there_is_a_master_store():

@@ -8,7 +8,8 @@ import torch
 import zkit
 from zkit.testing import run_ranks
 
-from tests.nonfinite_ranks import nan_gradient_under_a_finite_loss, skip_when_one_rank_sees_nan
+from tests.nonfinite_ranks import (nan_gradient_under_a_finite_loss, padding_of_reduced_shards,
+                                   skip_when_one_rank_sees_nan)
 
 
 def _engine(**extra):
@@ -63,9 +64,15 @@ def test_every_rank_skips_when_one_rank_sees_a_nan(stage, dtype):
         assert out["skipped"] == 1 and out["finite"]
 
 
-def test_a_nan_gradient_under_a_finite_loss_is_skipped_then_stops_the_job_at_every_stage():
+@pytest.mark.parametrize("stages,target,value", [([0, 1, 2, 3], "second.weight", float("nan")),
+                                                 ([1, 2, 3], "first.bias", float("inf"))], ids=["nan", "inf-middle"])
+def test_a_nan_gradient_under_a_finite_loss_is_skipped_then_stops_the_job_at_every_stage(stages, target, value):
     # No clipping, no fp16: nothing computes a norm, so the reduced gradients themselves are checked.
-    results = run_ranks(nan_gradient_under_a_finite_loss, world_size=2, args=([0, 1, 2, 3], "bf16"), timeout=120)
+    # first.bias: one element of a piece in the middle of rank 0's shard (stages 1-2; at stage 3 of
+    # the second unit), made bad by rank 1's backward: the rank owning it after the reduction finds
+    # it, and every rank skips.
+    results = run_ranks(nan_gradient_under_a_finite_loss, world_size=2, args=(stages, "bf16", target, value),
+                        timeout=120)
     for out in results:
         for stage, got in out.items():
             assert got["steps"] == [(True, True, False), (True, False, True)], (stage, got)
@@ -73,3 +80,13 @@ def test_a_nan_gradient_under_a_finite_loss_is_skipped_then_stops_the_job_at_eve
                 "step 3: the loss or the gradients were NaN or infinite for 2 steps in a row "
                 "(nonfinite_steps_limit is 1)"), (stage, got)
             assert got["finite"], stage
+
+
+def test_the_padding_of_every_reduced_gradient_shard_is_zero():
+    # The check reads whole shards, padding included: a padding element that was not zero (the
+    # stage 2-3 shards and buckets are made without zeroing) could fail a good step.
+    # (Stage 0 lays units out for one rank: no padding.)
+    results = run_ranks(padding_of_reduced_shards, world_size=2, args=([1, 2, 3],), timeout=120)
+    for stage in (1, 2, 3):
+        padding = [out[stage] for out in results]  # per rank (the last rank's shards hold it)
+        assert sum(p["elements"] for p in padding) > 0 and all(p["nonzero"] == 0 for p in padding), (stage, padding)

@@ -13,8 +13,9 @@ from typing import Any, TextIO
 import attrs
 
 from zkit.core.config.fields import config_fields, describe, is_section_type, type_options
-from zkit.core.config.load import builtin_section_paths
+from zkit.core.config.load import builtin_section_paths, section_paths
 from zkit.core.config.plugin_keys import PLUGIN_KEYS
+from zkit.core.plugin_manager import BUILTIN_PLUGINS, builtin_config_sections, builtin_section_owners
 
 INTRO = """\
 # Configuration reference
@@ -25,8 +26,13 @@ names, unchanged, for every key zkit supports.
 ```python
 from zkit.core.config import load_config
 cfg = load_config("ds_config.json", world_size=8, sections=pm.config_sections())
-cfg.zero_optimization.stage, cfg.train_micro_batch_size_per_gpu, cfg.dtype
+zero_config(cfg).stage, cfg.train_micro_batch_size_per_gpu, cfg.dtype  # zkit.zero.config.zero_config
 ```
+
+The kernel (`zkit.core.config`) holds the batch sizes, precision, optimizer, scheduler and the
+top-level scalars. Every other section belongs to the package that reads it: its plugin registers
+the section (`zkit_config_sections`) and the package gives a typed accessor for it. With that
+plugin blocked, its keys are an error naming the plugin to unblock.
 
 Rules the loader applies to every section, including sections that plugins own:
 
@@ -110,10 +116,37 @@ def write(out: TextIO) -> None:
     for path, key in PLUGIN_KEYS.items():
         out.write(f"| `{path}` | `{key.dist}` |\n")
     out.write(OLD_NAMES)
-    for path, cls in builtin_section_paths().items():
-        title = "Top level" if not path else f"`{path}`"
-        out.write(f"\n## {title}\n\n{inspect.cleandoc(cls.__doc__ or '')}\n\n")
-        _table(cls, out)
+    kernel = builtin_section_paths()
+    for path, cls in kernel.items():
+        _section(path, cls, "", out)
+    records = builtin_config_sections()
+    owners = builtin_section_owners()
+    modules = dict(BUILTIN_PLUGINS)
+    out.write(PLUGIN_SECTIONS)
+    for path, record in records.items():
+        owner = owners[path]
+        out.write(f"| `{path}` | `{owner}` | `{record.schema.__module__}` |\n")
+    for path, cls in section_paths(records).items():
+        if path in kernel:
+            continue
+        top = path.split(".")[0]
+        where = f"Owned by zkit's plugin `{owners[top]}` (`{modules[owners[top]]}`)."
+        _section(path, cls, where, out)
+
+
+PLUGIN_SECTIONS = """
+## Sections of zkit's own plugins
+
+| key | plugin | schema |
+|---|---|---|
+"""
+
+
+def _section(path: str, cls: type, where: str, out: TextIO) -> None:
+    title = "Top level" if not path else f"`{path}`"
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    out.write(f"\n## {title}\n\n{doc}{' ' + where if where else ''}\n\n")
+    _table(cls, out)
 
 
 def main(argv: list[str] | None = None) -> Any:

@@ -1,6 +1,6 @@
-"""A :class:`zkit.core.copies.Streams` for CPU tests that makes copies really asynchronous.
+"""A :class:`zkit.zero.copy_queue.Streams` for CPU tests that makes copies really asynchronous.
 
-Every copy a :class:`~zkit.core.copies.CopyQueue` issues on the side stream is *deferred*: it runs only
+Every copy a :class:`~zkit.zero.copy_queue.CopyQueue` issues on the side stream is *deferred*: it runs only
 when an event recorded after it is waited for (``event.synchronize()``, or the compute stream's
 ``wait_event``). Code that reads a copy's destination without waiting for its copy reads stale
 values, and code that overwrites a copy's source before the copy ran sends the new values, so an
@@ -15,7 +15,7 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from zkit.core import copies
+from zkit.zero import copy_queue
 
 
 class FakeEvent:
@@ -124,17 +124,17 @@ class FakeStreams:
 
 @contextlib.contextmanager
 def installed() -> Iterator[list[FakeStreams]]:
-    """Inside the block every :class:`~zkit.core.copies.CopyQueue` created gets its own
+    """Inside the block every :class:`~zkit.zero.copy_queue.CopyQueue` created gets its own
     :class:`FakeStreams`, appended to the list this yields."""
     made: list[FakeStreams] = []
-    original = copies.default_streams
+    original = copy_queue.default_streams
 
     def streams(device: torch.device) -> FakeStreams:
         made.append(FakeStreams())
         return made[-1]
 
-    copies.default_streams = streams
+    copy_queue.default_streams = streams
     try:
         yield made
     finally:
-        copies.default_streams = original
+        copy_queue.default_streams = original

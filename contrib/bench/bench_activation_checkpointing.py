@@ -52,9 +52,10 @@ def run(mode: str, cfg: GPTConfig, batch: int, steps: int, device: torch.device)
     if mode != "none":
         ckpt.apply(model, "every")
         engine = type("E", (), {})()
-        from zkit.activations.settings import section_from
+        from zkit.core.config import load_config
 
-        engine.config = type("C", (), {"activation_checkpointing": section_from({"cpu_checkpointing": mode == "cpu"})[0]})()
+        engine.config = load_config({"train_batch_size": 1, "activation_checkpointing": {"cpu_checkpointing": mode == "cpu"}},
+                                    world_size=1)
         engine.allocator = alloc
         ckpt.configure(engine)
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)

@@ -1,5 +1,5 @@
 """What returning freed host memory to the system costs in step time and saves in resident memory
-(see zkit/core/host_memory.py): a stage-3 GPT (4 x 1024, micro-batch 4 x 128) on 2 gloo ranks x 1
+(see zkit/host_memory/malloc_policy.py): a stage-3 GPT (4 x 1024, micro-batch 4 x 128) on 2 gloo ranks x 1
 thread, each setting in its own job, rounds alternating. Settings: ``keep`` (glibc's moving
 threshold), ``return`` (threshold fixed at 1 MiB; what ``auto`` chooses near the memory limit) and
 ``keep`` with ``malloc_trim`` after every step (the alternative zkit does not take).

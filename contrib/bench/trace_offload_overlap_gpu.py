@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "tests", "gpu"))
 from test_copies_gpu import OVERLAP_ROWS, WIDTH, _engine, _kernels, _step  # noqa: E402
 
-from zkit.core.copies import Copy  # noqa: E402
+from zkit.zero.copy_queue import StreamCopy  # noqa: E402
 
 out = os.environ.get("OUT", tempfile.gettempdir())
 engine = _engine({"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
@@ -32,7 +32,7 @@ for _ in range(2):
     torch.cuda.synchronize()
     print("step s", time.perf_counter() - t0)
 calls = {"sync": 0}
-original = Copy.synchronize
+original = StreamCopy.synchronize
 
 
 def counting(self):
@@ -40,7 +40,7 @@ def counting(self):
     return original(self)
 
 
-Copy.synchronize = counting  # this script's own count of host waits
+StreamCopy.synchronize = counting  # this script's own count of host waits
 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                         torch.profiler.ProfilerActivity.CUDA]) as prof:
     _step(engine, rows=OVERLAP_ROWS)

@@ -3,6 +3,14 @@ from __future__ import annotations
 
 import zkit
 from zkit.activations import checkpointing
+from zkit.activations.config import SECTION, ActivationCheckpointingConfig
+from zkit.core.records import ConfigSectionRecord
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_config_sections():
+    yield ConfigSectionRecord(path=SECTION, schema=ActivationCheckpointingConfig,
+                              description="Activation recomputation.", default_when_absent=True)
 
 
 @zkit.hookimpl(tryfirst=True)

@@ -9,7 +9,8 @@ import torch
 from zkit.core.allocator import Allocator
 from zkit.core.assembly import Assembly
 from zkit.core.communicator import Communicator
-from zkit.core.config.sections import ActivationCheckpointingConfig
+from zkit.activations.config import ActivationCheckpointingConfig, activation_checkpointing_config
+from zkit.core.config import ZkitConfig
 from zkit.core.config.structure import Context, structure
 
 
@@ -67,11 +68,11 @@ def section_from(source: Any) -> tuple[ActivationCheckpointingConfig, Allocator 
         return ActivationCheckpointingConfig(), None
     if isinstance(source, ActivationCheckpointingConfig):
         return source, None
+    if isinstance(source, ZkitConfig):
+        return activation_checkpointing_config(source), None
     config = getattr(source, "config", None)
-    if config is not None and hasattr(config, "activation_checkpointing"):  # an engine
-        return config.activation_checkpointing, getattr(source, "allocator", None)
-    if hasattr(source, "activation_checkpointing"):  # a ZkitConfig
-        return source.activation_checkpointing, None
+    if isinstance(config, ZkitConfig):  # an engine
+        return activation_checkpointing_config(config), getattr(source, "allocator", None)
     if isinstance(source, Mapping):
         if "activation_checkpointing" in source:
             data, path = source["activation_checkpointing"], "activation_checkpointing"

@@ -16,7 +16,8 @@ from zkit.checkpoint.load import load_checkpoint
 from zkit.checkpoint.piece_source import RankFiles
 from zkit.checkpoint.save import save_checkpoint
 from zkit.checkpoint.sixteen_bit import consolidated_16bit_state_dict, save_16bit_model
-from zkit.core.records import CheckpointFormatRecord
+from zkit.checkpoint.config import SECTION, CheckpointConfig
+from zkit.core.records import CheckpointFormatRecord, ConfigSectionRecord
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine
@@ -38,6 +39,12 @@ def _is_hf(path: Path, tag: str | None) -> bool:
 def _load_dcp(engine: "Engine", path: Path, tag: str | None, *, load_optimizer_states: bool,
               load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
     return load_dcp(engine, path, load_optimizer_states=load_optimizer_states)  # DCP holds no LR schedule
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_config_sections():
+    yield ConfigSectionRecord(path=SECTION, schema=CheckpointConfig, description="Checkpoint saving and loading.",
+                              default_when_absent=True)
 
 
 @zkit.hookimpl(trylast=True)

@@ -11,6 +11,7 @@ import torch
 
 from zkit.checkpoint import rng
 from zkit.checkpoint.accumulation import refuse_partial_accumulation
+from zkit.checkpoint.config import checkpoint_config
 from zkit.checkpoint.digest import payload_digests
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.files import FORMAT, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
@@ -101,7 +102,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
     tag = tag or f"global_step{engine.global_steps}"
     if "/" in tag or tag.startswith("."):
         raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
-    tag = _validate_tag(tag, world, engine.config.checkpoint.tag_validation)
+    tag = _validate_tag(tag, world, checkpoint_config(engine.config).tag_validation)
     root = Path(save_dir)
     final, staging = root / tag, root / f".{tag}.partial"
     if world.rank == 0:

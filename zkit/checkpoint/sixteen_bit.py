@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zkit.checkpoint.files import atomic_torch_save
+from zkit.zero.config import zero_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine
@@ -27,7 +28,7 @@ log = logging.getLogger("zkit")
 
 def save_16bit_model(engine: "Engine", path: Path, exclude_frozen_parameters: bool) -> bool:
     zero3 = engine.partitioner.stage == 3
-    if zero3 and not engine.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+    if zero3 and not zero_config(engine.config).stage3_gather_16bit_weights_on_model_save:
         log.warning(
             "did not save the model %s: at ZeRO stage 3 it needs stage3_gather_16bit_weights_on_model_save: true "
             "(or save_checkpoint and `zkit consolidate`)",

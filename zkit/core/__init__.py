@@ -7,10 +7,11 @@
   object that hands out communicators, allocators and stores
 * :mod:`~zkit.core.engine` / :mod:`~zkit.core.microstep` - the training loop, in time order
 * :mod:`~zkit.core.config` - the configuration schema
-* interfaces: :mod:`~zkit.core.communicator`, :mod:`~zkit.core.allocator`,
-  :mod:`~zkit.core.stores`, :mod:`~zkit.core.partitioner`, :mod:`~zkit.core.attention`
+* interfaces: :mod:`~zkit.core.communicator`, :mod:`~zkit.core.allocator` (and its
+  :mod:`~zkit.core.copies`), :mod:`~zkit.core.stores`, :mod:`~zkit.core.partitioner`,
+  :mod:`~zkit.core.attention`
 
 The kernel imports no built-in plugin package and no installed distribution; the built-ins
 (``zkit.zero``, ``zkit.optim``, ``zkit.schedules``, ``zkit.checkpoint``, ``zkit.torch_distributed``,
-``zkit.models``, ...) are loaded by name like any plugin.
+``zkit.models``, ``zkit.host_memory``, ...) are loaded by name like any plugin.
 """

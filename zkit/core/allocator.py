@@ -13,7 +13,7 @@ from typing import Sequence
 
 import torch
 
-from zkit.core.copies import CopyQueue
+from zkit.core.copies import Copies, SynchronousCopies
 from zkit.core.stores import MasterStore, OptimizerStepper, ParamShardStore
 
 PURPOSES = ("param", "grad", "master", "master_grad", "optim_state", "bucket", "activation")
@@ -32,17 +32,18 @@ class Allocator(abc.ABC):
     * :meth:`optimizer_stepper`: a function that runs the optimizer step itself, e.g. sub-group by
       sub-group around swaps of the optimizer state (zkit-offload's ``nvme``).
 
-    Copies between its host buffers and the device go through :attr:`copies` (a side stream on
-    an accelerator, plain ``copy_`` on a CPU-only run); host buffers are pinned (:meth:`pin`) so
-    those copies are asynchronous.
+    Copies between its buffers go through :attr:`copies` (:mod:`zkit.core.copies`): plain
+    ``copy_`` on the caller's thread unless the allocator sets its own (the built-in allocators
+    use a side stream on an accelerator, :mod:`zkit.zero.copy_queue`); host buffers are pinned
+    (:meth:`pin`) so such copies are asynchronous.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._live: dict[str, int] = defaultdict(int)
         self._peak: dict[str, int] = defaultdict(int)
-        #: host<->device copies of the buffers this allocator hands out (:mod:`zkit.core.copies`)
-        self.copies = CopyQueue(self.device)
+        #: copies between the buffers this allocator hands out (:mod:`zkit.core.copies`)
+        self.copies: Copies = SynchronousCopies()
 
     @abc.abstractmethod
     def place(self, purpose: str) -> torch.device:

@@ -11,8 +11,9 @@ stack (or a plugin's ``zkit_configure``) chooses is the one every process group 
 
 The engine builds one (``engine.assembly``); plugins reach it through the engine their hooks are
 given. Code that runs before an engine exists (``zkit.zero.Init``, a pipeline module's grid) builds
-one from the same config with :meth:`Assembly.build`, or holds a
-:class:`~zkit.core.deferred_communicator.DeferredCommunicator` that the engine's assembly takes over.
+one from the same config with :meth:`Assembly.build`, or holds a communicator that its plugin points
+at the engine's assembly once there is one (the built-in
+``zkit.torch_distributed.deferred_communicator.DeferredCommunicator``, bound in ``zkit_engine_setup``).
 """
 from __future__ import annotations
 

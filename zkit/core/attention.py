@@ -50,12 +50,6 @@ def _plugin_manager() -> ZkitPluginManager:
     return _manager
 
 
-def set_plugin_manager(pm: ZkitPluginManager | None) -> None:
-    """Use ``pm`` for later look-ups (``None``: build the default one again on next use)."""
-    global _manager
-    _manager = pm
-
-
 def attention_record(name: str) -> AttentionRecord:
     """The registered record called ``name``; an unknown name lists the valid ones."""
     record = _plugin_manager().lookup("attention", name)

@@ -15,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 import torch
 
-from zkit.core import distributed, host_memory, phases
+from zkit.core import distributed, phases
 from zkit.core import checkpoint_formats
 from zkit.core.assembly import Assembly
 from zkit.core.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
@@ -71,7 +70,6 @@ def initialize(
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("zkit.initialize needs config= (a dict or a path to a DeepSpeed-style JSON file)")
-    host_memory.return_freed_memory()
     engine = (engine_class or Engine)(
         model,
         config,
@@ -83,16 +81,7 @@ def initialize(
         collate_fn=collate_fn,
     )
     optimizer_out = None if engine.inference_only else engine.optimizer
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", engine.world_size))
-    host_memory.fit_to_memory(_host_state_bytes(engine), local_ranks)
-    host_memory.trim()  # what building and partitioning the model freed
     return engine, optimizer_out, engine.training_dataloader, engine.lr_scheduler
-
-
-def _host_state_bytes(engine: "Engine") -> int:
-    """The rank's model states in host memory: all of them on a CPU device, none on an
-    accelerator (the offload allocators manage their own host memory)."""
-    return engine.partitioner.host_state_bytes() if engine.device.type == "cpu" else 0
 
 
 class Engine(torch.nn.Module):
@@ -290,7 +279,8 @@ class Engine(torch.nn.Module):
         self._boundary_override = bool(is_boundary)
 
     def zero_optimization_stage(self) -> int:
-        return int(self.config.zero_optimization.stage)
+        """The ZeRO stage of the partitioner record in use (0 for a partitioner of no stage)."""
+        return int(self.records["partitioner"].stage)
 
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
@@ -624,10 +614,6 @@ class Engine(torch.nn.Module):
                 engine=self, path=Path(save_dir) / save_filename, exclude_frozen_parameters=exclude_frozen_parameters
             )
         return bool(_answered(saved, "save_16bit_model"))
-
-    def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """Whether ZeRO-3 saves gather the 16-bit weights (``stage3_gather_16bit_weights_on_model_save``)."""
-        return bool(self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's

@@ -60,8 +60,9 @@ hookimpl = pluggy.HookimplMarker(PROJECT)
 @hookspec
 def zkit_register_partitioners() -> Iterable[PartitionerRecord]:
     """Yield :class:`~zkit.core.records.PartitionerRecord` s: ways to split model states over
-    data-parallel ranks. Selected by ``zero_optimization.stage`` (the record's ``stage``) or by
-    name (``Stack(partitioner="zero2")``).
+    data-parallel ranks. Selected by name (``Stack(partitioner="zero2")``), or by a plugin's
+    ``zkit_configure`` answer (the built-in ``zkit.partitioners`` picks ``zero{stage}`` from its
+    ``zero_optimization`` section).
 
     The factory gets a :class:`zkit.core.partitioner.PartitionContext` and returns a
     :class:`zkit.core.partitioner.Partitioner`. Example::
@@ -155,7 +156,9 @@ def zkit_config_sections() -> Iterable[ConfigSectionRecord]:
     (``"sparse_attention"``, ``"zero_optimization.offload_optimizer"``). The loader structures the
     user's dict into the record's attrs ``schema`` and rejects unknown keys with the closest valid
     one. A key that zkit knows belongs to a distribution that is not installed is an error naming
-    the distribution to install. Read the section back with ``config.section(path)``."""
+    the distribution to install. Read the section back with ``config.section(path)`` (``None`` when
+    the user gave none, unless the record sets ``default_when_absent``: then the schema's
+    defaults)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -169,8 +172,9 @@ def zkit_configure(config: ZkitConfig, device: torch.device | None) -> Stack | N
     built. Return a :class:`zkit.Stack` to choose records this config needs (the offload plugin
     answers ``offload_optimizer.device == "cpu"`` with ``Stack(allocator="host",
     optimizer="cpu_adam")``), or ``None``. Stacks returned here are overridden by a stack the
-    user passes to ``initialize``; two plugins choosing different records for one family is an
-    error naming both.
+    user passes to ``initialize``, and override a built-in plugin's choice for the same family
+    (built-ins answer as defaults); two installed plugins choosing different records for one
+    family is an error naming both.
 
     ``device`` is the device the engine trains on, so that a record suited to some devices only
     is chosen on those (a plugin whose kernel runs on GPUs answers on ``cuda`` only and leaves
@@ -181,7 +185,9 @@ def zkit_configure(config: ZkitConfig, device: torch.device | None) -> Stack | N
 @hookspec
 def zkit_engine_setup(engine: Engine) -> None:
     """Called once when the engine is fully built (partitioner, optimizer and LR schedule in
-    place), before the first forward. Attach monitors, prefetchers, hang detectors here."""
+    place), before the first forward. Attach monitors, prefetchers, hang detectors here. The
+    built-in host-memory plugin (``trylast``: after the others) gives back to the system the host
+    memory that building freed (``ZKIT_HOST_MALLOC``, :mod:`zkit.host_memory`)."""
 
 
 @hookspec

@@ -230,7 +230,40 @@ BUILTIN_PLUGINS = (
     ("zkit.monitor", "zkit.monitor.plugin"),
     ("zkit.activations", "zkit.activations.plugin"),
     ("zkit.telemetry", "zkit.telemetry.plugin"),
+    ("zkit.host_memory", "zkit.host_memory.plugin"),
 )
+
+
+def builtin_config_sections() -> dict[str, ConfigSectionRecord]:
+    """``{dotted path: record}`` of the config sections zkit's own plugins own, less those of the
+    plugins ``ZKIT_BLOCK_PLUGINS`` blocks: what :func:`zkit.core.config.load_config` structures with
+    when it is given no ``sections``."""
+    blocked = frozenset(_split(os.environ.get("ZKIT_BLOCK_PLUGINS")))
+    return {path: rec for path, rec in _builtin_sections().items() if builtin_section_owners()[path] not in blocked}
+
+
+def builtin_section_owners() -> dict[str, str]:
+    """``{dotted path: built-in plugin name}`` of every section zkit's own plugins own, blocked or
+    not: so that a key of a blocked built-in is refused naming the plugin to unblock."""
+    return {path: owner for path, (owner, _) in _builtin_section_table().items()}
+
+
+def _builtin_sections() -> dict[str, ConfigSectionRecord]:
+    return {path: rec for path, (_, rec) in _builtin_section_table().items()}
+
+
+_BUILTIN_SECTIONS: dict[str, tuple[str, ConfigSectionRecord]] = {}
+
+
+def _builtin_section_table() -> dict[str, tuple[str, ConfigSectionRecord]]:
+    if not _BUILTIN_SECTIONS:
+        found = {}
+        for name, module in BUILTIN_PLUGINS:
+            hook = getattr(importlib.import_module(module), "zkit_config_sections", None)
+            for rec in (hook() if hook is not None else ()):
+                found[rec.path] = (name, attrs.evolve(rec, dist="zkit"))
+        _BUILTIN_SECTIONS.update(found)
+    return _BUILTIN_SECTIONS
 
 
 def get_plugin_manager(

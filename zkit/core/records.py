@@ -177,13 +177,16 @@ class ConfigSectionRecord:
 
     ``path`` is the dotted key (``"sparse_attention"``, ``"zero_optimization.offload_optimizer"``),
     ``schema`` an attrs class the section's dict is structured into (unknown keys are rejected with
-    the closest valid key, like any built-in section).
+    the closest valid key, like any built-in section). ``default_when_absent``: a config the user
+    gives without the section holds the schema's defaults (as for ``zero_optimization``, which every
+    run reads) instead of nothing.
     """
 
     path: str
     schema: type
     description: str = ""
     dist: str = ""
+    default_when_absent: bool = False
 
 
 @attrs.frozen(kw_only=True)

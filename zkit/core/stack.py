@@ -5,7 +5,8 @@
 
 Each field is a record name (case-insensitive), a record object (a plugin you did not install), or
 ``None`` (let the config decide). ``a | b`` is ``a`` with ``b``'s choices on top. A stack overrides
-the config: ``Stack(partitioner="zero3")`` wins over ``zero_optimization.stage``.
+the config: ``Stack(partitioner="zero3")`` wins over ``zero_optimization.stage`` (which zkit.zero's
+plugin answers from ``zkit_configure``; installed plugins' choices win over the built-ins').
 """
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
 
+from zkit.core.plugin_manager import BUILTIN_PLUGINS
 from zkit.core.records import FAMILIES, RECORD_OF_FAMILY, Record
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -20,9 +22,6 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from zkit.core.config import ZkitConfig
     from zkit.core.plugin_manager import ZkitPluginManager
-
-Choice = "str | Record | None"
-
 
 def _choice(family: str):
     def check(_instance, attribute, value):
@@ -105,7 +104,7 @@ def config_choice(family: str, config: "ZkitConfig") -> str | None:
     """The record name ``config`` chooses for ``family`` when the stack chooses none (``None``:
     the family is left empty)."""
     if family == "partitioner":
-        return f"zero{config.zero_optimization.stage}"
+        return None  # chosen by a plugin from its own section (zkit.zero: zero_optimization.stage)
     if family == "optimizer":
         return config.optimizer.type if config.optimizer is not None else None
     if family == "scheduler":
@@ -122,6 +121,13 @@ def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict
         if choice is None:
             choice = config_choice(family, config)
         if choice is None:
+            if family == "partitioner":
+                raise ValueError(
+                    "no partitioner is chosen: the config's zero_optimization.stage chooses one through the "
+                    "built-in plugin 'zkit.partitioners', which is blocked (ZKIT_BLOCK_PLUGINS or zkit -p "
+                    "no:zkit.partitioners), and no other plugin chose one. Pass zkit.Stack(partitioner=NAME) "
+                    "with a partitioner record's name, or unblock zkit.partitioners"
+                )
             out[family] = None
         elif isinstance(choice, Record):
             out[family] = choice
@@ -140,7 +146,11 @@ def configure(
     engine is built): the plugins' ``zkit_configure`` stacks merged under the user's (their
     plugins registered), and the record of every family."""
     answers = pm.call_each_named("zkit_configure", config=config, device=device)
-    from_plugins = merge_plugin_stacks(answers.items())
+    builtin = {name for name, _ in BUILTIN_PLUGINS}
+    # a built-in's choice is a default: an installed plugin's choice for the family wins over it
+    from_plugins = merge_plugin_stacks((n, s) for n, s in answers.items() if n in builtin) | merge_plugin_stacks(
+        (n, s) for n, s in answers.items() if n not in builtin
+    )
     _refuse_overridden_allocator(answers, from_plugins, stack)
     merged = from_plugins | stack
     for plugin in merged.plugins:

@@ -14,7 +14,9 @@ import attrs
 import torch
 
 import zkit
+from zkit.core.records import ConfigSectionRecord
 from zkit.core.stash import StashKey
+from zkit.telemetry.config import FlopsProfilerConfig
 from zkit.telemetry.format import format_memory_line, format_step_line
 from zkit.telemetry.progress import ProgressBarLogHandler
 from zkit.telemetry.step_probe import StepProbe
@@ -52,6 +54,12 @@ def _setup_logging(rank: int) -> None:
     log.addHandler(handler)
     log.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     log.propagate = False
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_config_sections():
+    yield ConfigSectionRecord(path="flops_profiler", schema=FlopsProfilerConfig, description="FLOPs profiler.",
+                              default_when_absent=True)
 
 
 @zkit.hookimpl(tryfirst=True)

@@ -24,10 +24,12 @@ from typing import Any, Iterable, Iterator
 
 import torch
 
-from zkit.core import distributed, host_memory
+from zkit.core import distributed
 from zkit.core.assembly import Assembly
 from zkit.core.config import ZkitConfig
 from zkit.core.config.load import _read_json
+from zkit.host_memory import plugin as host_memory_plugin, trim
+from zkit.zero.config import zero_config
 from zkit.zero.flat import plan_units
 from zkit.zero.memory_param_store import IN_MEMORY
 from zkit.zero.param_refresh import wait_for_parameter_refresh
@@ -71,7 +73,7 @@ class Init:
         if not self.enabled:
             return self
         distributed.ensure_initialized()
-        host_memory.return_freed_memory()  # construction frees each module's full tensors
+        # the host-memory plugin's zkit_configure sets glibc's policy before any module is built
         config = _without_placeholders(self.config)
         self.assembly = Assembly.build(config, self.stack)
         self.comm = self.assembly.communicator(None)
@@ -99,7 +101,7 @@ class Init:
         if given and self.dtype is None:
             self.dtype = config.dtype
         self.store = IN_MEMORY
-        if not given or int(config.zero_optimization.stage) != 3:
+        if not given or zero_config(config).stage != 3:
             self.allocator = self.assembly.pm.lookup("allocator", "flat").factory(self.device, config)
             return
         # The config's allocator places the shards from the start: with ``offload_param`` on the
@@ -168,7 +170,8 @@ class Init:
             else:
                 setattr(cls, name, original)
         self._patched = []
-        host_memory.trim()  # each module's full tensors, freed as it was partitioned
+        if hasattr(self, "assembly") and self.assembly.pm.is_registered(host_memory_plugin):
+            trim()  # each module's full tensors, freed as it was partitioned
 
 
 def _without_placeholders(config: Any) -> Any:

@@ -66,6 +66,13 @@ class InMemoryParamShardStore:
 #: the in-memory store every unit starts in
 IN_MEMORY = InMemoryParamShardStore()
 
+#: what a store must have to be a :class:`~zkit.core.stores.ParamShardStore`: its attributes and
+#: public methods (``isinstance`` on the protocol would not name what is missing)
+PARAM_SHARD_STORE_MEMBERS: tuple[str, ...] = (
+    *ParamShardStore.__annotations__,
+    *(name for name, value in vars(ParamShardStore).items() if callable(value) and not name.startswith("_")),
+)
+
 
 def param_shard_store(allocator: Any, dtype: torch.dtype) -> Any:
     """Where stage-3 shards of ``dtype`` live: ``allocator``'s store, else memory. A store that
@@ -74,9 +81,7 @@ def param_shard_store(allocator: Any, dtype: torch.dtype) -> Any:
     store = allocator.param_shard_store(dtype)
     if store is None:
         return IN_MEMORY
-    members = [*ParamShardStore.__annotations__,
-               *(name for name, value in vars(ParamShardStore).items() if callable(value) and not name.startswith("_"))]
-    missing = sorted(name for name in members if not hasattr(store, name))
+    missing = sorted(name for name in PARAM_SHARD_STORE_MEMBERS if not hasattr(store, name))
     if missing:
         raise TypeError(f"{type(allocator).__name__}.param_shard_store() returned {type(store).__name__}, which is "
                         f"not a zkit.core.stores.ParamShardStore: it lacks {', '.join(missing)}")

@@ -12,14 +12,13 @@ updates the master and, with 16-bit parameters in host memory, writes them too (
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import torch
 
+from zkit.core.allocator import Allocator
+from zkit.core.partitioner import PartitionContext
 from zkit.optim.fused_step import FusedStepOptimizer
-
-if TYPE_CHECKING:
-    from zkit.zero.zero_partitioner import ZeroPartitioner
 
 
 def fuses(optimizer: Any) -> bool:
@@ -27,13 +26,33 @@ def fuses(optimizer: Any) -> bool:
     return isinstance(optimizer, FusedStepOptimizer) and optimizer.fuses
 
 
+class MasterOwner(Protocol):
+    """What the in-memory store uses of the ZeRO partitioner that owns it
+    (:class:`~zkit.zero.zero_partitioner.ZeroPartitioner`): public members only."""
+
+    ctx: PartitionContext
+    #: its copies (side stream) and, where the allocator keeps optimizer state elsewhere, the stepper
+    allocator: Allocator
+
+    @property
+    def master_device(self) -> torch.device: ...
+
+    def reduced_grad_shards(self) -> list[torch.Tensor]:
+        """Per unit, this rank's reduced gradient shard (padding included, zero)."""
+
+    def publish_target(self, unit: int) -> torch.Tensor | None:
+        """Where :meth:`publish_unit` writes ``unit``'s master (``None``: not in memory)."""
+
+    def publish_unit(self, unit: int, master: torch.Tensor) -> None:
+        """Copy ``unit``'s updated master into the parameters, without waiting for the copy."""
+
+
 class InMemoryMasterStore:
     """The master shards ``master`` (one tensor per unit) of ``owner``, in memory.
 
     Args:
-        owner: the partitioner; its gradient path (``_grad_shards``, ``reduced_grads``), its
-            allocator (copies, the optimizer stepper) and where it publishes a unit's master
-            (``_publish_unit``, ``_copy_out_target``).
+        owner: the partitioner (:class:`MasterOwner`): its reduced gradient shards, its allocator
+            (copies, the optimizer stepper) and where it publishes a unit's master.
         master: per unit, this rank's fp32 master shard (the parameters' shards themselves when
             ``master_is_param``).
         master_is_param: the parameters are the master: nothing to copy either way.
@@ -42,7 +61,7 @@ class InMemoryMasterStore:
     #: the stage keeps its gradients itself (:attr:`zkit.core.stores.MasterStore.takes_grads`)
     takes_grads = False
 
-    def __init__(self, owner: "ZeroPartitioner", master: list[torch.Tensor], master_is_param: bool) -> None:
+    def __init__(self, owner: MasterOwner, master: list[torch.Tensor], master_is_param: bool) -> None:
         self.owner = owner
         self.master = master
         self.master_is_param = master_is_param
@@ -64,7 +83,7 @@ class InMemoryMasterStore:
         raise RuntimeError("the in-memory master store takes no gradients: the ZeRO stage keeps its own")
 
     def _grads(self) -> list[torch.Tensor]:
-        return self.owner._grad_shards()
+        return self.owner.reduced_grad_shards()
 
     def grad_norm_sq(self) -> torch.Tensor:
         """On the training device (no wait for the host)."""
@@ -74,12 +93,15 @@ class InMemoryMasterStore:
         return sq
 
     def grads_finite(self) -> torch.Tensor:
-        # One read pass over the owned pieces, no temporary: a NaN or infinity makes the sum
-        # non-finite (a sum past fp32's range counts too; Adam would square such gradients to inf).
-        # bf16 and fp32 sum in their own dtype (the fast kernel); fp16's range is too small.
-        sums = [(g.sum(dtype=torch.float32) if g.dtype == torch.float16 else g.sum()).float()
-                for g in (piece.grad for piece in self.owner.reduced_grads())]
-        return torch.isfinite(torch.stack(sums).sum()) if sums else torch.tensor(True, device="cpu")
+        """On the gradients' device (no wait for the host): one fused read pass over the whole
+        shards (their padding is zero), not one reduction per owned piece. A NaN or infinity
+        makes a shard's L1 norm non-finite, and so does a total past fp32's range (Adam would
+        square such gradients to inf); fp32 accumulation, as fp16's range is too small."""
+        shards = [g for g in self._grads() if g.numel()]
+        if not shards:
+            return torch.tensor(True, device="cpu")
+        norms = torch._foreach_norm(shards, 1, dtype=torch.float32)
+        return torch.isfinite(norms[0] if len(norms) == 1 else torch.stack(norms).sum())
 
     def zero_grad(self) -> None:
         """Nothing held: the stage frees its gradients."""
@@ -96,7 +118,7 @@ class InMemoryMasterStore:
             return
         twins = []
         for opt_param, u, a, b, _ in owned:
-            target = self.owner._copy_out_target(u)
+            target = self.owner.publish_target(u)
             if target is None or target.device.type != "cpu" or target.dtype not in (torch.float16, torch.bfloat16):
                 return
             twins.append((opt_param, target[a:b]))
@@ -120,7 +142,7 @@ class InMemoryMasterStore:
              publish: Callable[[int, torch.Tensor], None]) -> None:
         """Step on the master shards in place, then copy each unit's master into the parameters
         (unless they are the master, or the step wrote them). The masters are not reused, so the
-        copies go out through the partitioner's ``_publish_unit`` (no wait per unit) rather than
+        copies go out through the partitioner's ``publish_unit`` (no wait per unit) rather than
         ``publish``."""
         grads = self._master_grads()
         # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
@@ -141,4 +163,4 @@ class InMemoryMasterStore:
             opt_param.grad = None
         if not (self.copy_out or self.master_is_param):
             for unit, master in enumerate(self.master):
-                self.owner._publish_unit(unit, master)
+                self.owner.publish_unit(unit, master)

@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Iterator
 import attrs
 import torch
 
+from zkit.zero.config import zero_config
+
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.zero.zero_partitioner import ZeroPartitioner
 
@@ -113,7 +115,7 @@ def state_tensors(part: "ZeroPartitioner", kind: OffloadStateTypeEnum) -> Iterat
         yield from (p.grad for p in params if p.grad is not None)
         yield from (g["params"][i].grad for g in part.optimizer.param_groups for i in range(len(g["params"]))
                     if g["params"][i].grad is not None)
-        for name in ("grad_bufs", "grad_shards", "_staged"):
+        for name in ("grad_bufs", "grad_shards", "staged_grads"):
             yield from _flatten(getattr(part, name, []))
     elif kind is OffloadStateTypeEnum.contiguous_grad_buffer:
         yield from _flatten([s for s in getattr(part, "_segments", []) if s is not None])
@@ -151,7 +153,7 @@ def _device_name(device: Any) -> str:
 
 
 def _offload_section(part: "ZeroPartitioner", key: str) -> str:
-    section = part.ctx.config.zero_optimization
+    section = zero_config(part.ctx.config)
     value = getattr(section, key, None)
     device = getattr(value, "device", None) if value is not None else None
     if device is None and isinstance(value, dict):

@@ -1,8 +1,10 @@
-"""The ZeRO stages as partitioner records (``zero_optimization.stage`` selects by ``stage``)."""
+"""The ZeRO stages as partitioner records, and the ``zero_optimization`` section whose ``stage`` chooses
+one of them."""
 from __future__ import annotations
 
 import zkit
-from zkit.core.records import PartitionerRecord
+from zkit.core.records import ConfigSectionRecord, PartitionerRecord
+from zkit.zero.config import SECTION, ZeroConfig, zero_config
 from zkit.zero.stage0 import Stage0
 from zkit.zero.stage1 import Stage1
 from zkit.zero.stage2 import Stage2
@@ -30,3 +32,15 @@ def zkit_register_partitioners():
 def zkit_prepare_model(model, stage, world_size):
     # built under zkit.zero.Init: units this partitioner would not keep as they are, whole again
     adopt_init_model(model, stage, world_size)
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_config_sections():
+    yield ConfigSectionRecord(path=SECTION, schema=ZeroConfig, description="ZeRO partitioning.",
+                              default_when_absent=True)
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_configure(config):
+    # the config's choice; a user's zkit.Stack(partitioner=...) and installed plugins' choices win
+    return zkit.Stack(partitioner=f"zero{zero_config(config).stage}")

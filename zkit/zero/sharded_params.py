@@ -240,7 +240,7 @@ class SpareBuffers:
     """Freed host buffers kept for the next request of the same size and dtype: stage 3's
     gathered units, and (in a pool of their own) the weight gradients its linear computes.
 
-    Where glibc's mmap threshold is fixed (:mod:`zkit.core.host_memory`: memory is tight, or an NVMe
+    Where glibc's mmap threshold is fixed (:mod:`zkit.host_memory`: memory is tight, or an NVMe
     offload runs), every freed large buffer is unmapped, and the next one of that size is mapped
     afresh and takes a page fault per 4 KiB page as it is written. A stage-3 step uses the same
     few sizes over and over, so keeping a few freed buffers saves those faults

@@ -17,5 +17,5 @@ class Stage0(FullGradientPartitioner):
     def _reduced(self, unit: int, buf: torch.Tensor) -> torch.Tensor:
         return buf
 
-    def _grad_shards(self):
+    def reduced_grad_shards(self):
         return self._ensure_grad_bufs()

@@ -35,7 +35,7 @@ class Stage1(FullGradientPartitioner):
         lo, hi = self.units[unit].shard_range(self.rank)
         self._own_slice(unit).copy_(scratch[lo:hi])
 
-    def _grad_shards(self):
+    def reduced_grad_shards(self):
         if not self.gradient_reduction and self.comm.world_size > 1:
             raise RuntimeError("ZeRO stage 1 needs its gradient reduce-scatter; it cannot be switched off")
         return [self._own_slice(u.index) for u in self.units]

@@ -26,6 +26,7 @@ import torch
 
 from zkit.core import phases
 from zkit.zero.flat import Unit, persistent_units, plan_units
+from zkit.zero.config import zero_config
 from zkit.zero.init_adopt import stage3_groups
 from zkit.zero.memory_param_store import param_shard_store
 from zkit.zero.returned import returned_params
@@ -53,7 +54,7 @@ class Stage3(Stage2):
         return units
 
     def _build_param_buffers(self) -> None:
-        zc = self.ctx.config.zero_optimization
+        zc = zero_config(self.ctx.config)
         self.sharded: list[ShardedUnit] = []
         self._gathered = GatheredElements()
         persistent = persistent_units(
@@ -300,10 +301,10 @@ class Stage3(Stage2):
         return handle
 
     # -- step ------------------------------------------------------------------------------------
-    def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
+    def publish_unit(self, unit: int, master: torch.Tensor) -> None:
         self.sharded[unit].set_shard(master)
 
-    def _copy_out_target(self, unit: int) -> torch.Tensor | None:
+    def publish_target(self, unit: int) -> torch.Tensor | None:
         su = self.sharded[unit]
         return su.shard  # None where the shard left memory: it is written through its store
 

@@ -21,6 +21,7 @@ from zkit.core.partitioner import GradPiece, PartitionContext, Partitioner, Piec
 from zkit.estimator.model_states import model_state_bytes
 from zkit.zero import full_state
 from zkit.zero import offload_states as offloading
+from zkit.zero.config import zero_config
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.init import GatheredParameters
 from zkit.zero.memory_store import InMemoryMasterStore, fuses
@@ -44,14 +45,14 @@ def _gradient_averaging(config: Any, world: int) -> tuple[str, float, float]:
 
 class ZeroPartitioner(Partitioner):
     """Base of the data-parallel stages. Subclasses implement the gradient path:
-    ``_init_grads``, ``_on_grad_ready``, ``backward_context``, ``after_backward``, ``_grad_shards``
-    and ``zero_grad``."""
+    ``_init_grads``, ``_on_grad_ready``, ``backward_context``, ``after_backward``,
+    ``reduced_grad_shards`` and ``zero_grad``."""
 
     shards_states = True
 
     def __init__(self, ctx: PartitionContext) -> None:
         super().__init__(ctx)
-        zc = ctx.config.zero_optimization
+        zc = zero_config(ctx.config)
         self.dtype = ctx.dtype
         comm_type = getattr(ctx.config, "communication_data_type", None)
         self.comm_dtype = _COMM_DTYPES[comm_type] if comm_type else ctx.dtype
@@ -98,7 +99,7 @@ class ZeroPartitioner(Partitioner):
 
     # -- construction ----------------------------------------------------------------------------
     def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
-        bucket = max(int(self.ctx.config.zero_optimization.reduce_bucket_size), 1)
+        bucket = max(int(zero_config(self.ctx.config).reduce_bucket_size), 1)
         return plan_units(((n, p.shape) for n, p in reversed(named)), bucket, self.world)
 
     def _param_shard(self, unit: Unit) -> torch.Tensor:
@@ -225,13 +226,16 @@ class ZeroPartitioner(Partitioner):
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         raise NotImplementedError
 
-    def _grad_shards(self) -> list[torch.Tensor]:
-        """Per unit, the reduced gradient of this rank's shard (model or communication dtype)."""
+    def reduced_grad_shards(self) -> list[torch.Tensor]:
+        """Per unit, the reduced gradient of this rank's whole shard (model, communication or
+        accumulation dtype; fp32 in host memory beside an offloaded master), padding included (it
+        is zero), valid between the last backward of a batch and the step: what the in-memory
+        master store steps, norms and checks."""
         raise NotImplementedError
 
     def reduced_grads(self) -> list[GradPiece]:
         """This rank's reduced gradient pieces (:class:`zkit.core.partitioner.ReducedGradients`)."""
-        shards = self._grad_shards()
+        shards = self.reduced_grad_shards()
         return [
             GradPiece(name=piece.slot.name, start=piece.param_start, end=piece.param_end, grad=shards[u][a:b])
             for _, u, a, b, piece in self.owned
@@ -278,8 +282,9 @@ class ZeroPartitioner(Partitioner):
             return f"{name}: {self.optimizer.last_kernel}"
         return f"{name}.step (gradients scaled, then the step, then the master copied into the parameters)"
 
-    def _copy_out_target(self, unit: int) -> torch.Tensor | None:
-        """The buffer :meth:`_publish_unit` writes a unit's updated master into."""
+    def publish_target(self, unit: int) -> torch.Tensor | None:
+        """The buffer :meth:`publish_unit` writes a unit's updated master into (this rank's shard of
+        its parameters); ``None`` where that shard is not in memory (a store keeps it)."""
         lo, hi = self.units[unit].shard_range(self.rank)
         return self.param_bufs[unit][lo:hi]
 
@@ -288,23 +293,25 @@ class ZeroPartitioner(Partitioner):
         (in the background with ``overlap_param_gather``; see :mod:`zkit.zero.param_refresh`)."""
         if not self.master_is_param:
             for u in self.units:
-                self._publish_unit(u.index, self._master_of(u.index))
+                self.publish_unit(u.index, self._master_of(u.index))
         self._gather_params()
 
     def _master_of(self, unit: int) -> torch.Tensor:
         """The fp32 master of ``unit``'s shard (a copy read back from a store kept elsewhere)."""
         return self.master_store.read_master(unit)
 
-    def _publish_unit(self, unit: int, master: torch.Tensor) -> None:
+    def publish_unit(self, unit: int, master: torch.Tensor) -> None:
         """Copy one unit's updated master into this rank's shard of the parameters (on the side
-        stream from a host master; the unit's gather waits for it)."""
+        stream from a host master; the unit's gather waits for it), without waiting: ``master``
+        must stay unchanged until the parameters are next gathered (the in-memory store's shards
+        do)."""
         lo, hi = self.units[unit].shard_range(self.rank)
         self._published[unit] = self.allocator.copies.copy(self.param_bufs[unit][lo:hi], master)
 
     def publish_from_buffer(self, unit: int, master: torch.Tensor) -> None:
-        """:meth:`_publish_unit` from a buffer the master store reuses once this returns (what a
+        """:meth:`publish_unit` from a buffer the master store reuses once this returns (what a
         master store's ``step`` calls for every updated unit)."""
-        self._publish_unit(unit, master)
+        self.publish_unit(unit, master)
         self.allocator.copies.synchronize()
 
     def _wait_published(self) -> None:
@@ -394,7 +401,7 @@ class ZeroPartitioner(Partitioner):
 
     def host_state_bytes(self) -> int:
         """By ``zkit estimate``'s formula, with the gathered parameters and buckets of a step."""
-        z = self.ctx.config.zero_optimization
+        z = zero_config(self.ctx.config)
         shapes = [(n, tuple(p.shape)) for n, p in self.module.named_parameters() if p.requires_grad]
         if not shapes:
             return 0

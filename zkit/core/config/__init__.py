@@ -7,49 +7,29 @@
 from zkit.core.config.errors import ConfigError, NotImplementedConfigError
 from zkit.core.config.extras import AutotuningConfig, ElasticityConfig
 from zkit.core.config.load import load_config
-from zkit.core.config.monitors import (
-    CometConfig,
-    CSVMonitorConfig,
-    FlopsProfilerConfig,
-    TensorBoardConfig,
-    WandbConfig,
-)
 from zkit.core.config.plugin_keys import PLUGIN_KEYS
 from zkit.core.config.schema import ZkitConfig
 from zkit.core.config.sections import (
-    ActivationCheckpointingConfig,
     AmpConfig,
     BF16Config,
-    CheckpointConfig,
     DataTypesConfig,
     FP16Config,
     OptimizerConfig,
-    ParallelWriteConfig,
     SchedulerConfig,
 )
-from zkit.core.config.zero import ZeroConfig
 
 __all__ = [
-    "ActivationCheckpointingConfig",
     "AmpConfig",
     "AutotuningConfig",
     "BF16Config",
-    "CheckpointConfig",
-    "CometConfig",
     "ConfigError",
-    "CSVMonitorConfig",
     "DataTypesConfig",
     "ElasticityConfig",
-    "FlopsProfilerConfig",
     "FP16Config",
     "NotImplementedConfigError",
     "OptimizerConfig",
-    "ParallelWriteConfig",
     "PLUGIN_KEYS",
     "SchedulerConfig",
-    "TensorBoardConfig",
-    "WandbConfig",
-    "ZeroConfig",
     "ZkitConfig",
     "load_config",
 ]

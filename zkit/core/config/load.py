@@ -5,7 +5,6 @@ import copy
 import json
 import os
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any, Mapping
 
 import attrs
@@ -17,27 +16,27 @@ from zkit.core.config.plugin_keys import PLUGIN_KEYS
 from zkit.core.config.scalars import plain_scalars
 from zkit.core.config.schema import ZkitConfig
 from zkit.core.config.structure import Context, structure
+from zkit.core.plugin_manager import builtin_config_sections, builtin_section_owners
 from zkit.core.records import ConfigSectionRecord
-
-_NO_SECTIONS: Mapping[str, ConfigSectionRecord] = MappingProxyType({})
 
 
 def load_config(
     source: Mapping[str, Any] | str | os.PathLike | ZkitConfig,
     *,
     world_size: int,
-    sections: Mapping[str, ConfigSectionRecord] = _NO_SECTIONS,
+    sections: Mapping[str, ConfigSectionRecord] | None = None,
 ) -> ZkitConfig:
     """Validate a DeepSpeed-style config for ``world_size`` data-parallel ranks.
 
     ``source`` is a dict, a path to a JSON file, or a :class:`ZkitConfig` (validated again for
     ``world_size``, e.g. after an elastic restart). ``sections`` maps dotted paths to the
-    :class:`~zkit.core.records.ConfigSectionRecord` s of installed plugins
-    (``plugin_manager.config_sections()``). Raises :class:`ConfigError` for every bad input.
+    :class:`~zkit.core.records.ConfigSectionRecord` s of the plugins loaded, zkit's own included
+    (``plugin_manager.config_sections()``); by default those of zkit's own plugins
+    (``zero_optimization``...). Raises :class:`ConfigError` for every bad input.
     """
     if type(world_size) is not int or world_size < 1:
         raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
-    records = dict(sections)
+    records = dict(builtin_config_sections() if sections is None else sections)
     if isinstance(source, ZkitConfig):
         records = {**source.section_records, **records}
         data = copy.deepcopy(source.raw) if source.raw else source.to_dict()
@@ -99,8 +98,14 @@ def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord]) -
     raw = copy.deepcopy(data)
     tb, micro, gas = resolve_batch(data.get(TB), data.get(MICRO), data.get(GAS), world_size)
     data = {**data, TB: tb, MICRO: micro, GAS: gas}
-    ctx = Context(sections=records)
+    ctx = Context(sections=records, blocked={
+        path: owner for path, owner in builtin_section_owners().items() if path not in records
+    })
     config = structure(ZkitConfig, data, "", ctx)
+    for path, record in records.items():
+        parent = path.rpartition(".")[0]
+        if record.default_when_absent and path not in ctx.found and (not parent or parent in ctx.found):
+            ctx.found[path] = structure(record.schema, {}, path, ctx)
     return attrs.evolve(
         config,
         world_size=world_size,
@@ -112,7 +117,7 @@ def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord]) -
 
 def builtin_section_paths(cls: type = ZkitConfig, path: str = "") -> dict[str, type]:
     """Dotted path -> class of every built-in section ("" is the top level)."""
-    found = {path: cls}
+    found = {path: attrs.resolve_types(cls)}  # annotations of ``from __future__`` modules are strings
     for f in config_fields(cls):
         for option in type_options(f.type):
             if is_section_type(option):
@@ -120,9 +125,19 @@ def builtin_section_paths(cls: type = ZkitConfig, path: str = "") -> dict[str, t
     return found
 
 
-def _check_records(records: Mapping[str, Any]) -> None:
+def section_paths(records: Mapping[str, ConfigSectionRecord] | None = None) -> dict[str, type]:
+    """Dotted path -> class of every section: the kernel's, then those of ``records`` (by default
+    zkit's own plugins') with the sections nested in them."""
+    found = builtin_section_paths()
+    for path, record in (builtin_config_sections() if records is None else records).items():
+        found.update(builtin_section_paths(record.schema, path))
+    return found
+
+
+def _check_records(records: dict[str, Any]) -> None:
     builtin = builtin_section_paths()
-    for path, record in records.items():
+    owners = builtin_section_owners()
+    for path, record in list(records.items()):
         if not isinstance(record, ConfigSectionRecord):
             raise ConfigError(
                 f"config section '{path}': expected a ConfigSectionRecord, got {record!r}"
@@ -145,9 +160,11 @@ def _check_records(records: Mapping[str, Any]) -> None:
             ) from exc
         parent, _, leaf = path.rpartition(".")
         if parent not in builtin and parent not in records:
+            if parent in owners:  # under a section of a blocked built-in, which refuses its keys
+                del records[path]
+                continue
             raise ConfigError(f"config section '{path}' {who}: '{parent}' is not a config section")
-        if parent in builtin and path not in PLUGIN_KEYS:
-            if leaf in attrs.fields_dict(builtin[parent]):
-                raise ConfigError(
-                    f"config section '{path}' {who}: '{path}' is a built-in key of zkit"
-                )
+        holder = builtin.get(parent) or records[parent].schema
+        if path not in PLUGIN_KEYS and leaf in attrs.fields_dict(holder):
+            owner = "zkit" if parent in builtin else records[parent].dist or "unknown"
+            raise ConfigError(f"config section '{path}' {who}: '{path}' is a built-in key of {owner}")

@@ -83,3 +83,15 @@ def check_without_plugin(path: str, value: Any) -> None:
         f"this zkit? pip install -U {key.dist}",
         key=path,
     )
+
+
+def check_blocked_builtin(path: str, plugin: str, value: Any) -> None:
+    """Raise unless ``value`` of ``path``, a section of zkit's own plugin ``plugin`` that is blocked,
+    is ``null``."""
+    if value is None:
+        return
+    raise ConfigError(
+        f"config key '{path}' is provided by zkit's built-in plugin '{plugin}', which is blocked "
+        f"(ZKIT_BLOCK_PLUGINS or zkit -p no:{plugin}): unblock it, or remove the key",
+        key=path,
+    )

@@ -17,25 +17,15 @@ from zkit.core.config.fields import (
     one_of,
     setting,
 )
-from zkit.core.config.monitors import (
-    CometConfig,
-    CSVMonitorConfig,
-    FlopsProfilerConfig,
-    TensorBoardConfig,
-    WandbConfig,
-)
 from zkit.core.config.sections import (
-    ActivationCheckpointingConfig,
     AmpConfig,
     BF16Config,
-    CheckpointConfig,
     DataTypesConfig,
     FP16Config,
     OptimizerConfig,
     SchedulerConfig,
 )
 from zkit.core.config.structure import unstructure
-from zkit.core.config.zero import ZeroConfig
 
 
 def never_for_infinity(value: Any) -> Any:
@@ -130,7 +120,6 @@ class ZkitConfig:
     data_types: DataTypesConfig = _section(DataTypesConfig, "Internal buffer dtypes.")
     optimizer: OptimizerConfig | None = setting(None, doc="The optimizer (null: pass one in).")
     scheduler: SchedulerConfig | None = setting(None, doc="The LR schedule (null: none).")
-    zero_optimization: ZeroConfig = _section(ZeroConfig, "ZeRO partitioning.")
     zero_allow_untested_optimizer: bool = setting(
         False,
         doc="Allow a client optimizer zkit has no record for under ZeRO.",
@@ -142,15 +131,6 @@ class ZkitConfig:
         doc="With optimizer offload, require the CPU optimizer of zkit-offload.",
         hint="with offload_optimizer, zkit-offload always steps its own CPU optimizer",
     )
-    activation_checkpointing: ActivationCheckpointingConfig = _section(
-        ActivationCheckpointingConfig, "Activation recomputation."
-    )
-    checkpoint: CheckpointConfig = _section(CheckpointConfig, "Checkpoint saving and loading.")
-    tensorboard: TensorBoardConfig = _section(TensorBoardConfig, "TensorBoard monitor.")
-    csv_monitor: CSVMonitorConfig = _section(CSVMonitorConfig, "CSV monitor.")
-    wandb: WandbConfig = _section(WandbConfig, "Weights & Biases monitor.")
-    comet: CometConfig = _section(CometConfig, "Comet monitor.")
-    flops_profiler: FlopsProfilerConfig = _section(FlopsProfilerConfig, "FLOPs profiler.")
     elasticity: ElasticityConfig = _section(ElasticityConfig, "Elastic batch sizes.")
     autotuning: AutotuningConfig = _section(AutotuningConfig, "Autotuner.")
     compression_training: dict | None = setting(
@@ -205,13 +185,15 @@ class ZkitConfig:
         return copy.deepcopy(self.raw.get(key, default)) if self.raw else self.to_dict().get(key, default)
 
     def section(self, path: str) -> Any:
-        """The structured plugin-owned section at the dotted ``path`` (``None`` when absent)."""
+        """The structured plugin-owned section at the dotted ``path``: ``None`` when absent, unless
+        its record is ``default_when_absent`` (then its defaults). The package that owns a section
+        gives a typed accessor for it (``zkit.zero.config.zero_config``)."""
         return self.plugin_sections.get(path)
 
     def to_dict(self) -> dict:
         """Every key with its resolved value, JSON-able; ``load_config`` accepts it back."""
         out = unstructure(self)
-        for path, section in self.plugin_sections.items():
+        for path, section in sorted(self.plugin_sections.items(), key=lambda item: item[0].count(".")):
             *parents, leaf = path.split(".")
             node = out
             for parent in parents:

@@ -1,9 +1,9 @@
-"""Training sections: precision, optimizer, LR schedule, activation checkpointing, checkpoints."""
+"""Training sections: precision, optimizer, LR schedule."""
 from typing import ClassVar
 
 import attrs
 
-from zkit.core.config.fields import DTYPE_NAMES, above, at_least, normalize_dtype, one_of, setting, upper
+from zkit.core.config.fields import DTYPE_NAMES, above, at_least, normalize_dtype, one_of, setting
 
 
 @attrs.frozen(kw_only=True)
@@ -90,74 +90,12 @@ class DataTypesConfig:
     )
 
 
-@attrs.frozen(kw_only=True)
-class ActivationCheckpointingConfig:
-    """Settings of ``zkit.activations.checkpointing.checkpoint`` (activation recomputation)."""
-
-    partition_activations: bool = setting(
-        False, doc="Split checkpointed activations across model-parallel ranks."
-    )
-    cpu_checkpointing: bool = setting(
-        False, doc="Keep checkpointed activations in host memory."
-    )
-    contiguous_memory_optimization: bool = setting(
-        False, doc="Copy checkpointed activations into one preallocated buffer."
-    )
-    number_checkpoints: int | None = setting(
-        None, check=at_least(1), doc="Checkpoints per forward (sizes that buffer)."
-    )
-    synchronize_checkpoint_boundary: bool = setting(
-        False, doc="Synchronize the device at each checkpoint boundary."
-    )
-    profile: bool = setting(False, doc="Time the forward and recompute of checkpoints.")
-
-
-@attrs.frozen(kw_only=True)
-class ParallelWriteConfig:
-    """Which ranks write checkpoint files."""
-
-    pipeline_stage: bool = setting(
-        False,
-        doc="Each pipeline stage writes its own files.",
-        hint="every zkit rank already writes its own file, and each pipeline part its own directory",
-    )
-
-
-@attrs.frozen(kw_only=True)
-class CheckpointConfig:
-    """Saving and loading checkpoints."""
-
-    tag_validation: str = setting(
-        "WARN",
-        check=one_of(("WARN", "IGNORE", "FAIL")),
-        edge=upper,
-        doc="What to do when ranks save with different tags: Warn, Ignore or Fail.",
-    )
-    load_universal: bool = setting(
-        False,
-        doc="Load a DeepSpeed universal checkpoint.",
-        hint="zkit checkpoints are always world-size independent, so there is nothing to convert",
-    )
-    use_node_local_storage: bool = setting(
-        False,
-        unimplemented=True,
-        doc="Every node writes its ranks' files to local storage (zkit needs one shared directory: a "
-        "rank reads back whichever files hold the ranges it owns, at any world size).",
-    )
-    parallel_write: ParallelWriteConfig = setting(
-        attrs.Factory(ParallelWriteConfig), default_doc="{}", doc="Which ranks write files."
-    )
-
-
 __all__ = [
-    "ActivationCheckpointingConfig",
     "AmpConfig",
     "BF16Config",
-    "CheckpointConfig",
     "DataTypesConfig",
     "FP16Config",
     "OptimizerConfig",
-    "ParallelWriteConfig",
     "SchedulerConfig",
 ]
 

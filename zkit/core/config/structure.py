@@ -19,16 +19,18 @@ import attrs
 
 from zkit.core.config.errors import ConfigError, NotImplementedConfigError, auto_error
 from zkit.core.config.fields import config_fields, describe, is_section_type, matches, type_options
-from zkit.core.config.plugin_keys import PLUGIN_KEYS, check_without_plugin
+from zkit.core.config.plugin_keys import PLUGIN_KEYS, check_blocked_builtin, check_without_plugin
 from zkit.core.records import ConfigSectionRecord
 
 
 @attrs.define
 class Context:
     """What structuring one config needs besides the data: the plugin-owned sections that are
-    installed, and (filled in on the way) the plugin sections found, by path."""
+    installed, the sections of zkit's own plugins that are blocked (path -> plugin name), and
+    (filled in on the way) the plugin sections found, by path."""
 
     sections: Mapping[str, ConfigSectionRecord]
+    blocked: Mapping[str, str] = attrs.Factory(dict)
     found: dict[str, Any] = attrs.Factory(dict)
 
 
@@ -76,6 +78,8 @@ def structure(cls: type, data: Any, path: str, ctx: Context) -> Any:
                 kwargs[key] = section
         elif full in PLUGIN_KEYS:
             check_without_plugin(full, value)
+        elif full in ctx.blocked:
+            check_blocked_builtin(full, ctx.blocked[full], value)
         elif key in fields:
             kwargs[key] = _convert(fields[key], value, full, ctx)
         elif extra_into is not None:
@@ -208,7 +212,7 @@ def _check_implemented(obj: Any, path: str) -> None:
 def _unknown_key(cls: type, key: str, path: str, ctx: Context) -> ConfigError:
     valid = [f.name for f in config_fields(cls)]
     valid += list(getattr(cls, "key_aliases", {}))
-    for owned in (*ctx.sections, *PLUGIN_KEYS):
+    for owned in (*ctx.sections, *PLUGIN_KEYS, *ctx.blocked):
         parent, _, leaf = owned.rpartition(".")
         if parent == path:
             valid.append(leaf)

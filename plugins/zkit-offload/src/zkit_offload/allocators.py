@@ -20,11 +20,12 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 import torch
 
 from zkit.core.allocator import Allocator
+from zkit.zero.copy_queue import CopyQueue
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.cpu_optimizer import FusedCPUOptimizer
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from zkit.core.host_memory import return_freed_memory
+from zkit.host_memory import return_freed_memory
 from zkit_offload.param_store import NVMeParamStore
 from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups, subgroup_key
 from zkit_offload.swap import NVMeSwapper, aligned_empty
@@ -52,6 +53,7 @@ class HostAllocator(Allocator):
     def __init__(self, device: torch.device, config: Any = None, *,
                  optimizer: OffloadOptimizerConfig | None = None, param: OffloadParamConfig | None = None) -> None:
         super().__init__(device)
+        self.copies = CopyQueue(self.device)  # host<->device copies on a side stream (an accelerator's)
         self.optimizer_config = optimizer or _section(config, OffloadOptimizerConfig.SECTION, OffloadOptimizerConfig)
         self.param_config = param or _section(config, OffloadParamConfig.SECTION, OffloadParamConfig)
         self.host_purposes = ((HOST_PURPOSES if self.optimizer_config.device != "none" else ())
@@ -96,7 +98,7 @@ class NVMeAllocator(HostAllocator):
             self.param_swapper = NVMeSwapper(self.param_config.nvme_path, block_size=self.aio.block_size,
                                              io_threads=self.aio.io_threads)
         self._param_stores: list[NVMeParamStore] = []
-        zero = getattr(config, "zero_optimization", None)
+        zero = config.section("zero_optimization") if hasattr(config, "section") else None
         #: elements per sub-group of the optimizer step (``zero_optimization.sub_group_size``)
         self.sub_group_size = max(1, int(getattr(zero, "sub_group_size", 1_000_000_000)))
         self._buffers: SubGroupBuffers | None = None

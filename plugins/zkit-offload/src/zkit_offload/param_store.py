@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
-from zkit.core.host_memory import trim
+from zkit.host_memory import trim
 from zkit_offload.swap import NVMeSwapper, SwapHandle, aligned_empty
 
 

@@ -148,7 +148,7 @@ def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfi
 @zkit.hookimpl
 def zkit_configure(config):
     optimizer = getattr(config, "optimizer", None)
-    zero = getattr(config, "zero_optimization", None)
+    zero = config.section("zero_optimization")  # None with zkit.zero's plugin blocked
     offload_optimizer = config.section(OffloadOptimizerConfig.SECTION)
     check_step_in_backward(offload_optimizer or OffloadOptimizerConfig(), getattr(zero, "stage", None),
                            config.gradient_clipping, config.fp16.enabled)

@@ -40,7 +40,8 @@ def setup(engine: Any) -> None:
         # built before the engine: its tensor and tied groups now talk through the engine's choice
         module.bind_communicators(engine.assembly)
     tensor_group = _tensor_group(module)
-    if tensor_group is not None and engine.config.activation_checkpointing.partition_activations:
+    section = engine.config.section("activation_checkpointing")  # None with zkit.activations blocked
+    if tensor_group is not None and section is not None and section.partition_activations:
         from zkit.activations import checkpointing
 
         checkpointing.configure(engine, group=tensor_group)

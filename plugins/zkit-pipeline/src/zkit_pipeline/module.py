@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zkit.activations.checkpointing import checkpoint
-from zkit.core.deferred_communicator import DeferredCommunicator
+from zkit.torch_distributed.deferred_communicator import DeferredCommunicator
 from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
 from zkit_pipeline.topology import ProcessGrid
 

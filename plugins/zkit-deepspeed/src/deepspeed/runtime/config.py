@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zkit.core.config import ConfigError, ZkitConfig, load_config
+from zkit.zero.config import zero_config
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 
@@ -45,7 +46,7 @@ class DeepSpeedConfig:
         self.gradient_clipping = c.gradient_clipping
         self.steps_per_print = c.steps_per_print
         self.wall_clock_breakdown = c.wall_clock_breakdown
-        self.zero_optimization_stage = int(c.zero_optimization.stage)
+        self.zero_optimization_stage = zero_config(c).stage
         self.zero_enabled = self.zero_optimization_stage > 0
         self.fp16_enabled = bool(c.fp16.enabled)
         self.bfloat16_enabled = bool(c.bf16.enabled)

@@ -9,6 +9,7 @@ import os
 import torch
 
 from zkit.core.engine import Engine
+from zkit.zero.config import zero_config
 
 __all__ = ["DeepSpeedEngine"]
 
@@ -39,6 +40,10 @@ class DeepSpeedEngine(Engine):
 
     def zero_optimization(self) -> bool:
         return self.zero_optimization_stage() > 0
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """Whether ZeRO-3 saves gather the 16-bit weights (``stage3_gather_16bit_weights_on_model_save``)."""
+        return bool(zero_config(self.config).stage3_gather_16bit_weights_on_model_save)
 
     def fp16_enabled(self) -> bool:
         return bool(self.config.fp16.enabled)

@@ -1,16 +1,24 @@
-"""``zero_optimization``: DeepSpeed's ZeRO keys, names and defaults unchanged.
+"""``zero_optimization``: DeepSpeed's ZeRO keys, names and defaults unchanged. The section is zkit.zero's:
+its plugin registers it (:func:`zkit.zero.plugin.zkit_config_sections`) and chooses the partitioner record
+its ``stage`` names. Read it with :func:`zero_config`.
 
 The offload sub-sections belong to the ``zkit-offload`` distribution (see
 :mod:`zkit.core.config.plugin_keys`); their fields here hold whatever that plugin's schema structured,
 or ``None`` for no offload.
 """
 import sys
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 
 from zkit.core.config.errors import ConfigError
 from zkit.core.config.fields import at_least, between, setting
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit.core.config import ZkitConfig
+
+#: the section's dotted path in a config
+SECTION = "zero_optimization"
 
 _NO_BUCKETS = (
     "zkit reduces each unit (reduce_bucket_size) with one collective; "
@@ -268,3 +276,10 @@ class ZeroConfig:
                 "use 'pin_memory' inside offload_optimizer / offload_param instead",
             )
         return data
+
+
+def zero_config(config: "ZkitConfig") -> ZeroConfig:
+    """``config``'s ``zero_optimization`` section; its defaults when the config holds none (one
+    loaded without zkit.zero's section record, e.g. with the ``zkit.partitioners`` plugin blocked)."""
+    section = config.section(SECTION)
+    return ZeroConfig() if section is None else section

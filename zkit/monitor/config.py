@@ -1,7 +1,16 @@
-"""Monitor and profiler sections."""
+"""The monitor sections, zkit.monitor's: ``tensorboard``, ``csv_monitor``, ``wandb``, ``comet``. Its plugin
+registers them (:func:`zkit.monitor.plugin.zkit_config_sections`); :func:`monitor_sections` reads the two
+it writes."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 import attrs
 
 from zkit.core.config.fields import at_least, setting
+
+if TYPE_CHECKING:  # pragma: no cover
+    from zkit.core.config import ZkitConfig
 
 
 @attrs.frozen(kw_only=True)
@@ -47,16 +56,24 @@ class CometConfig:
     mode: str | None = setting(None, doc="Comet start mode.")
 
 
-@attrs.frozen(kw_only=True)
-class FlopsProfilerConfig:
-    """Count FLOPs and time per module for one step."""
+#: section path -> (schema, what it is), in the order of DeepSpeed's docs
+SECTIONS: dict[str, tuple[type, str]] = {
+    "tensorboard": (TensorBoardConfig, "TensorBoard monitor."),
+    "csv_monitor": (CSVMonitorConfig, "CSV monitor."),
+    "wandb": (WandbConfig, "Weights & Biases monitor."),
+    "comet": (CometConfig, "Comet monitor."),
+}
 
-    enabled: bool = setting(False, unimplemented=True, doc="Profile one step.")
-    recompute_fwd_factor: float = setting(
-        0.0, check=at_least(0), doc="Extra forward passes from activation recomputation."
-    )
-    profile_step: int = setting(1, check=at_least(1), doc="Step to profile.")
-    module_depth: int = setting(-1, doc="Depth of the module tree to print (-1: all).")
-    top_modules: int = setting(1, check=at_least(1), doc="Modules listed per depth.")
-    detailed: bool = setting(True, doc="Print the per-module breakdown.")
-    output_file: str | None = setting(None, doc="Write the report here (null: stdout).")
+
+@attrs.frozen(kw_only=True)
+class MonitorSections:
+    """The sections :class:`zkit.monitor.writers.Monitor` opens writers for."""
+
+    csv_monitor: CSVMonitorConfig
+    tensorboard: TensorBoardConfig
+
+
+def monitor_sections(config: "ZkitConfig") -> MonitorSections:
+    """``config``'s ``csv_monitor`` and ``tensorboard`` sections (their defaults where it holds none)."""
+    return MonitorSections(csv_monitor=config.section("csv_monitor") or CSVMonitorConfig(),
+                           tensorboard=config.section("tensorboard") or TensorBoardConfig())

@@ -15,14 +15,18 @@ Returning freed pages at every step with ``malloc_trim`` costs about half as muc
 little (the resident set peaks inside the step). So zkit pays the price only where the memory
 matters, chosen by ``ZKIT_HOST_MALLOC``:
 
-* ``auto`` (the default): :func:`fit_to_memory`, called by ``zkit.initialize``, fixes the
+* ``auto`` (the default): :func:`fit_to_memory`, called once an engine is built, fixes the
   threshold when the rank's model states in host memory take at least :data:`TIGHT_FRACTION` of
   the memory the rank may use (:func:`rank_memory_limit`: the cgroup's limit or the machine's
   memory, shared by the ranks on the node). One-off heap trims (:func:`trim`) after
   ``zkit.zero.Init`` and ``zkit.initialize`` give back what building and partitioning freed.
-* ``return``: fix the threshold always (``zkit.initialize`` and ``zkit.zero.Init`` call
-  :func:`return_freed_memory`).
+* ``return``: fix the threshold always (:func:`return_freed_memory`, before an engine or
+  ``zkit.zero.Init`` builds anything).
 * ``keep``: leave glibc alone.
+
+The built-in plugin ``zkit.host_memory`` (:mod:`zkit.host_memory.plugin`) applies this policy
+through the engine's hooks; blocking it (``ZKIT_BLOCK_PLUGINS=zkit.host_memory``) leaves glibc
+alone whatever ``ZKIT_HOST_MALLOC`` says, except where an offload asks (below).
 
 An offload that keeps the model out of host memory (zkit-offload's NVMe allocator) asks for the
 threshold with :func:`return_freed_memory` ``(because=...)`` whatever the model's size, unless

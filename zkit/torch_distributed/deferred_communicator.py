@@ -2,10 +2,10 @@
 
 A model split over process groups (zkit-pipeline's tensor-parallel layers, weights tied across
 pipeline stages) is built, and may already talk, before ``zkit.initialize`` has chosen the
-communicator. It holds a :class:`DeferredCommunicator` over its group instead: until an engine's
-assembly takes it over (:meth:`DeferredCommunicator.bind`, from a plugin's ``zkit_engine_setup``),
-calls go to the communicator a default :class:`~zkit.core.assembly.Assembly` gives for that group (the
-installed plugins' choice); afterwards to the engine's.
+communicator. It holds a :class:`DeferredCommunicator` over its group instead: until the plugin that
+built it hands it an engine's assembly (:meth:`DeferredCommunicator.bind`, from its
+``zkit_engine_setup``), calls go to the communicator a default :class:`~zkit.core.assembly.Assembly`
+gives for that group (the installed plugins' choice); afterwards to the engine's.
 """
 from __future__ import annotations
 
