@@ -4,7 +4,8 @@ Each feature changes a base run (2 ranks, ZeRO stage 0, fp32, AdamW, 3 steps of 
 network with two residual blocks, a global batch of 4 rows; with a model feature, a 2-block GPT on
 4 sequences of 32 tokens).
 A pair either **matches its reference** or is **refused at initialize** with an error that names
-both features (the words in :data:`REFUSED`). The reference of a pair is the run with only its
+both features (the words in :data:`REFUSED`); a pair with a checkpoint feature may instead have its
+save or load refused, naming both (:data:`REFUSED_AT_CHECKPOINT`). The reference of a pair is the run with only its
 *numerics and model* features (dtype, clipping, the optimizer, the GPT) at stage 0 on 2 ranks
 without offload, accumulation or checkpointing: the other features (stages, offload,
 accumulation, activation checkpointing, pipeline and tensor parallelism) must not change what is
@@ -39,7 +40,12 @@ FEATURES: dict[str, str] = {
     "pipeline": "zkit-pipeline: the model as a PipelineModule of 2 stages (one replica), train_batch over the "
                 "same global batch in micro-batches",
     "save_load": "save_checkpoint after 2 of the 3 steps, then a new engine loads it and takes the last step",
+    "dcp_checkpoint": "as save_load, through PyTorch's Distributed Checkpoint: the checkpoint written as a DCP "
+                      "directory (zkit.checkpoint.dcp.write_dcp), which the new engine loads",
     "custom_allocator": "a third-party allocator record chosen by zkit.Stack(allocator=...)",
+    "custom_comm": "a third-party communicator record chosen by zkit.Stack(communicator=...): torch's, behind a "
+                   "wrapper that counts the calls; the engine's gradients and (with pipeline or tensor "
+                   "parallelism) the grid's groups go through it",
     "tensor_parallel": "zkit-pipeline's TensorParallelModule over the 2 ranks (one replica): each block's MLP a "
                        "column- then a row-parallel linear, the rest replicated",
     "block_sparse": "the model is a 2-block GPT (zkit.models.gpt.Block, 32 tokens) with GPTConfig(attention="
@@ -111,12 +117,26 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
                                                                        "offload")),
     ("step_in_backward", "zeroone_adam"): ("as for nvme_offload", ("zerooneadam", "nvme")),
 }
+#: pairs initialize accepts whose checkpoint round trip is refused, at the save (the DCP export) or
+#: at the load, with an error naming both: why, and the words the error must contain. A DCP
+#: checkpoint holds one whole model's weights and per-parameter optimizer state, nothing else
+REFUSED_AT_CHECKPOINT: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
+    ("onebit_adam", "dcp_checkpoint"): ("DCP does not hold the 1-bit optimizer's step count and phase: refused at "
+                                        "the load", ("dcp", "onebitadam", "load_optimizer_states=false")),
+    ("pipeline", "dcp_checkpoint"): ("a DCP export writes one whole model, not pipeline stages: refused at the "
+                                     "save", ("dcp", "pipeline stages")),
+    ("dcp_checkpoint", "tensor_parallel"): ("as pipeline: not tensor-parallel slices", ("dcp", "tensor-parallel")),
+    ("dcp_checkpoint", "zeroone_adam"): ("as onebit_adam", ("dcp", "zerooneadam", "load_optimizer_states=false")),
+    ("dcp_checkpoint", "pipeline_dp"): ("as pipeline", ("dcp", "pipeline stages")),
+}
 #: two values of one setting, not a combination: the stage pairs and bf16 x fp16 must be refused
 #: by the config; the two offload devices (step_in_backward is NVMe offload with one more key), the
-#: two 1-bit optimizers and the two pipeline layouts are one key's (or one model's) two values
+#: two 1-bit optimizers, the two pipeline layouts, the two checkpoint formats and the two
+#: communicators a Stack chooses are one key's (or one model's, or one argument's) two values
 NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"), ("bf16", "fp16"),
                      ("cpu_offload", "nvme_offload"), ("onebit_adam", "zeroone_adam"), ("pipeline", "pipeline_dp"),
-                     ("cpu_offload", "step_in_backward"), ("nvme_offload", "step_in_backward")}
+                     ("cpu_offload", "step_in_backward"), ("nvme_offload", "step_in_backward"),
+                     ("save_load", "dcp_checkpoint"), ("custom_comm", "onebit_comm")}
 #: pairs the matrix does not run, and the test that covers them (or why none does)
 ELSEWHERE: dict[tuple[str, str], str] = {
     ("pipeline", "tied_weights"): "an embedding tied to the head across the 2 stages (TiedLayerSpec): "
@@ -140,7 +160,9 @@ def ranks(cell: tuple[str, ...]) -> int:
 
 
 def expected(pair: tuple[str, str]) -> str:
-    return "refused" if pair in REFUSED else "matches"
+    if pair in REFUSED:
+        return "refused"
+    return "refused at checkpoint" if pair in REFUSED_AT_CHECKPOINT else "matches"
 
 
 def reference_of(pair: tuple[str, str]) -> tuple[str, ...]:
@@ -255,6 +277,8 @@ def markdown() -> str:
         "  shows that each of its features ran (`tests/composition_evidence.py`: bytes sent compressed,",
         "  state in swap files, partitions split, blocks recomputed, ...);",
         "- **refused**: `zkit.initialize` refuses it with an error naming both features;",
+        "- **refused at checkpoint**: `initialize` accepts it and it trains, but its checkpoint round trip",
+        "  is refused, at the save or at the load, with an error naming both features;",
         "- **†**: not run by the matrix: the list at the end names the test that covers the pair, or",
         "  says why none does;",
         "- **—**: two values of one setting, not a combination.",
@@ -270,12 +294,14 @@ def markdown() -> str:
                 continue
             pair = (a, b) if names.index(a) < names.index(b) else (b, a)
             row.append("—" if pair in NOT_A_COMBINATION else "†" if pair in ELSEWHERE else
-                       "refused" if pair in REFUSED else "=")
+                       expected(pair).replace("matches", "="))
         lines.append(f"| `{a}` | " + " | ".join(row) + " |")
     lines += ["", "## The features", "", "| feature | what it does |", "|---|---|"]
     lines += [f"| `{n}` | {d} |" for n, d in FEATURES.items()]
     lines += ["", "## Why the refused pairs are refused", ""]
     lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in REFUSED.items() if (a, b) not in NOT_A_COMBINATION]
+    lines += ["", "## Why the pairs refused at checkpoint are refused", ""]
+    lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in REFUSED_AT_CHECKPOINT.items()]
     lines += ["", "## Pairs covered outside the matrix (†)", ""]
     lines += [f"- `{a}` × `{b}`: {where}" for (a, b), where in ELSEWHERE.items()]
     lines += fuzzer_section()
@@ -291,7 +317,8 @@ def fuzzer_section() -> list[str]:
         "`tests/composition_fuzz.py` draws sets of 3-5 features (a hypothesis strategy over the matrix's",
         "2-rank features and those below), runs each with its reference in one 2-rank process group and",
         "holds it to the same rule: it equals its reference, with every feature's trace present, or",
-        "`initialize` refuses it naming one of its refused pairs. `python tests/composition_fuzz.py",
+        "`initialize` refuses it naming one of its refused pairs (or its checkpoint is refused naming one",
+        "of its pairs refused at checkpoint). `python tests/composition_fuzz.py",
         "--examples N [--seed S]` prints each failure shrunk to a minimal set of features;",
         "`tests/test_composition_fuzz.py` runs a fixed subset. The features it adds:", "",
         "| feature | what it does |", "|---|---|",
@@ -299,8 +326,10 @@ def fuzzer_section() -> list[str]:
     lines += [f"| `{n}` | {d} |" for n, d in fuzz.EXTRA.items()]
     lines += ["", "Refused beyond the matrix's pairs:", ""]
     lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in fuzz.REFUSED.items() if (a, b) not in REFUSED]
+    lines += [f"- `{a}` × `{b}` (at checkpoint): {why}" for (a, b), (why, _) in fuzz.REFUSED_AT_CHECKPOINT.items()
+              if (a, b) not in REFUSED_AT_CHECKPOINT]
     lines += ["", "Never drawn together: two values of one setting (the pairs marked —, two optimizers of the",
-              "config, two checkpoint features), and what a 2-rank harness cannot run: "
+              "config, two checkpoint features), the pairs marked †, and what a 2-rank harness cannot run: "
               + ", ".join(" × ".join(f"`{f}`" for f in sorted(pair)) for pair in fuzz.HARNESS_LIMITS) + "."]
     return lines
 

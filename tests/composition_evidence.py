@@ -67,6 +67,13 @@ def _onebit_comm(engine: Any) -> str | None:
     return None if isinstance(engine.comm, OneBitCommunicator) else f"the engine reduces through {engine.comm!r}"
 
 
+def _counting_comm(engine: Any, model: torch.nn.Module, run: dict) -> str | None:
+    from composition_comm import reduced_through
+
+    grid = getattr(model, "num_stages", 1) > 1 or _tensor_parallel(model) is None
+    return reduced_through(engine, run["comm_built"](), run["replicas"], grid)
+
+
 def _dtype(engine: Any, dtype: torch.dtype) -> str | None:
     got = {p.dtype for p in engine.module.parameters()}
     return None if got == {dtype} else f"parameters in {got}, not {dtype}"
@@ -147,6 +154,9 @@ CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
                                     else "not 2 stages x 2 replicas"),
     "save_load": lambda e, m, r: None if r.get("loaded_steps") == 2 else f"loaded at step {r.get('loaded_steps')}",
     "custom_allocator": lambda e, m, r: None if r["allocated"]() > 0 else "the custom allocator handed out nothing",
+    "custom_comm": lambda e, m, r: _counting_comm(e, m, r),
+    "dcp_checkpoint": lambda e, m, r: (None if r.get("dcp_format") == "dcp"
+                                       else f"the saved directory loads as {r.get('dcp_format')!r}, not DCP"),
     "tensor_parallel": lambda e, m, r: _tensor_parallel(m),
     "block_sparse": lambda e, m, r: _sparse(m),
     "tied_weights": lambda e, m, r: _tied(m),

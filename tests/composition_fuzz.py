@@ -125,8 +125,17 @@ def verdict(features: tuple[str, ...], results: dict) -> str | None:
         return None
     if "refused" in got:
         return f"refused at initialize, but no pair of it is declared refused: {got['refused']}"
-    if "refused_save" in got:  # saving half a batch may be refused (not silently)
-        return None if "accumulation" in got["refused_save"].lower() else f"save failed: {got['refused_save']}"
+    at_checkpoint = fuzz.refused_checkpoint_pairs(features)
+    if at_checkpoint:
+        if "refused_checkpoint" not in got:
+            return f"saved and loaded, but {at_checkpoint} must be refused at the checkpoint"
+        words = [fuzz.REFUSED_AT_CHECKPOINT.get(p, fuzz.REFUSED_AT_CHECKPOINT.get(p[::-1]))[1] for p in at_checkpoint]
+        if not any(all(w.lower() in got["refused_checkpoint"].lower() for w in ws) for ws in words):
+            return f"checkpoint refused without naming any of {at_checkpoint}: {got['refused_checkpoint']}"
+        return None
+    if "refused_checkpoint" in got:  # saving half a batch may be refused (not silently)
+        refusal = got["refused_checkpoint"]
+        return None if "accumulation" in refusal.lower() else f"save or load failed: {refusal}"
     if got["missing"]:
         return f"a feature left no trace: {got['missing']}"
     reference = results[fuzz.reference_of(features)]

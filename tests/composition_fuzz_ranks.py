@@ -89,14 +89,17 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
         frozen_before = ({n: p for n, p in named_params(model).items() if int(n.split(".")[1]) < 2}
                          if "partial_freeze" in features else {})
         where = f"{ckpt_root}/{'-'.join(features)}"
-        if "save_load" in features or "reshard" in features:
+        if {"save_load", "dcp_checkpoint", "reshard"} & set(features):
             _train(engine, features, cfg, range(STEPS - 1))
-            engine.save_checkpoint(where)
-            engine.close()
             load_cfg = fuzz.resharded(cfg, features) if "reshard" in features else cfg
             run["saved_stage"] = cfg["zero_optimization"]["stage"]
-            engine, model = _engine(features, load_cfg, run)
-            engine.load_checkpoint(where)
+            try:  # refusing to save, or to load what was saved, is not silent either
+                where = composition_ranks.save(engine, where, dcp="dcp_checkpoint" in features, run=run)
+                engine.close()
+                engine, model = _engine(features, load_cfg, run)
+                engine.load_checkpoint(where)
+            except Exception as exc:  # noqa: BLE001 - the refusal is the result
+                return {"refused_checkpoint": f"{type(exc).__name__}: {exc}"}
             run["loaded_steps"] = engine.global_steps
             _train(engine, features, load_cfg, range(STEPS - 1, STEPS))
         elif "ds_import" in features:  # DeepSpeed took the first steps
@@ -111,7 +114,7 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
             try:
                 engine.save_checkpoint(where)
             except Exception as exc:  # noqa: BLE001 - refusing to save half a batch is not silent either
-                return {"refused_save": f"{type(exc).__name__}: {exc}"}
+                return {"refused_checkpoint": f"{type(exc).__name__}: {exc}"}
             engine.close()
             engine, model = _engine(features, cfg, run)
             engine.load_checkpoint(where)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -79,6 +80,7 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
     run = {} if run is None else run
     run["recompute"] = RecomputeCounter(model)
     run["compresses"] = matrix.compresses(features)
+    run["replicas"] = matrix.replicas(features)
     run["accum_base"] = matrix.config(tuple(f for f in features if f != "grad_accum"), "")[
         "gradient_accumulation_steps"]
     if "client_sgd" in features:
@@ -91,10 +93,40 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
         run["allocated"] = lambda: CountingAllocator.handed_out - start
     if "onebit_comm" in features:
         stack["communicator"] = onebit_record()
+    if "custom_comm" in features:
+        from composition_comm import CountingCommunicator, record
+
+        stack["communicator"] = record()
+        start = len(CountingCommunicator.built)
+        run["comm_built"] = lambda: CountingCommunicator.built[start:]
     if stack:
         kwargs["stack"] = zkit.Stack(**stack)
     engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
     return engine, model
+
+
+def save(engine, where: str, *, dcp: bool, run: dict) -> str:
+    """Save the engine's checkpoint at ``where``; with ``dcp``, also as a DCP directory beside it
+    (written by rank 0 from the checkpoint's files, what ``zkit export --format dcp`` does): the
+    directory to load from. A rank whose export failed makes every rank raise."""
+    engine.save_checkpoint(where)
+    if not dcp:
+        return where
+    from zkit.checkpoint.dcp import write_dcp
+    from zkit.core import checkpoint_formats
+
+    out, error = f"{where}-dcp", [None]
+    if torch.distributed.get_rank() == 0:
+        try:
+            write_dcp(where, out)
+        except Exception as exc:  # noqa: BLE001 - handed to every rank below
+            error = [f"{type(exc).__name__}: {exc}"]
+    torch.distributed.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise RuntimeError(error[0])
+    found = checkpoint_formats.for_load(engine.pm, Path(out), None)
+    run["dcp_format"] = getattr(found, "name", None)
+    return out
 
 
 def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
@@ -107,15 +139,18 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
     except Exception as exc:  # noqa: BLE001 - the refusal is the result
         return {"refused": f"{type(exc).__name__}: {exc}"}
     try:
-        if "save_load" not in features:
+        if "save_load" not in features and "dcp_checkpoint" not in features:
             _train(engine, features, cfg, range(STEPS))
         else:  # train, save, and go on in a new engine that loads the checkpoint
             _train(engine, features, cfg, range(STEPS - 1))
             where = f"{ckpt_root}/{'-'.join(features)}"
-            engine.save_checkpoint(where)
-            engine.close()
-            engine, model = _engine(features, cfg, run)
-            engine.load_checkpoint(where)
+            try:  # refusing to save, or to load what was saved, is not silent either
+                where = save(engine, where, dcp="dcp_checkpoint" in features, run=run)
+                engine.close()
+                engine, model = _engine(features, cfg, run)
+                engine.load_checkpoint(where)
+            except Exception as exc:  # noqa: BLE001 - the refusal is the result
+                return {"refused_checkpoint": f"{type(exc).__name__}: {exc}"}
             run["loaded_steps"] = engine.global_steps
             _train(engine, features, cfg, range(STEPS - 1, STEPS))
         return {"params": named_params(model), "missing": missing(features, engine, model, run)}

@@ -60,10 +60,29 @@ def test_stage_3_refuses_a_compiled_module_at_initialize_and_engine_compile():
     with pytest.raises(ValueError, match=STAGE3):
         _engine(3, torch.compile(er.make_model(), backend="eager"))
     engine = _engine(3)
-    with pytest.raises(ValueError, match=STAGE3 + r".*compile at ZeRO stages 0-2"):
+    with pytest.raises(ValueError, match=STAGE3 + r".*compile at ZeRO stages 0-2.*\(partitioner 'zero3' of zkit\)"):
         engine.compile(backend="eager")
     assert not engine.is_compiled
     engine.close()
+
+
+def test_a_partitioner_record_s_compile_refusal_is_raised_naming_the_record():
+    """The kernel knows no ZeRO stage: any partitioner record may say why it cannot train a
+    compiled module, and both ways in raise that reason with the record's name."""
+    from zkit.core.compile import compile_in_place, compile_module
+    from zkit.core.records import PartitionerRecord
+
+    record = PartitionerRecord(name="Mine", factory=object, compile_refusal="mine swaps parameters in forward",
+                               dist="zkit-mine")
+    module = torch.nn.Linear(2, 2)
+    expected = r"^mine swaps parameters in forward \(partitioner 'mine' of zkit-mine\)$"
+    with pytest.raises(ValueError, match=expected):
+        compile_module(module, record, "eager", None)
+    with pytest.raises(ValueError, match=expected):
+        compile_in_place(module, record, lambda call: call)
+    assert not zkit.core.compile.is_compiled(module)
+    compile_module(module, PartitionerRecord(name="other", factory=object), "eager", None)
+    assert zkit.core.compile.is_compiled(module)
 
 
 def test_deepcompile_schedules_and_compiled_autograd_are_refused_by_name():

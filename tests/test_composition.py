@@ -45,6 +45,12 @@ def test_pair(results, pair):
             assert word.lower() in got["refused"].lower(), (pair, got["refused"])
         return
     assert "refused" not in got, f"{pair} is declared to work but initialize refused it: {got['refused']}"
+    if matrix.expected(pair) == "refused at checkpoint":
+        assert "refused_checkpoint" in got, f"{pair} is declared refused at its checkpoint but saved and loaded"
+        for word in matrix.REFUSED_AT_CHECKPOINT[pair][1]:
+            assert word.lower() in got["refused_checkpoint"].lower(), (pair, got["refused_checkpoint"])
+        return
+    assert "refused_checkpoint" not in got, f"{pair}: its checkpoint was refused: {got['refused_checkpoint']}"
     assert not got["missing"], f"{pair} matches nothing: a feature left no trace: {got['missing']}"
     reference = results[matrix.reference_of(pair)]
     assert "params" in reference, (matrix.reference_of(pair), reference)

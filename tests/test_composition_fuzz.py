@@ -33,6 +33,8 @@ NAMED = [
     ("grad_accum", "tensor_parallel", "zero_init"),
     ("grad_accum", "pipeline", "zero_init"),
     ("zero3", "tensor_parallel", "zero_init"),
+    ("zero3", "dcp_checkpoint", "scheduler"),  # loaded a DCP checkpoint and restarted the schedule
+    ("grad_accum", "custom_comm", "tensor_parallel"),
 ]
 DRAWN_SEED, DRAWN = 0, 12
 SETS = list(dict.fromkeys([*(fuzz.canonical(s) for s in NAMED), *composition_fuzz.draw(DRAWN, DRAWN_SEED)]))
@@ -93,6 +95,12 @@ def test_verdict_names_what_went_wrong():
     off = {plain: {"params": _params(1.1), "missing": []}, ref: trained[ref]}
     assert "differs from its reference ()" in composition_fuzz.verdict(plain, off)
     assert composition_fuzz.verdict(plain, {plain: {"params": _params(1.0), "missing": []}, ref: trained[ref]}) is None
+    dcp, dcp_ref = ("zero1", "dcp_checkpoint", "scheduler"), ("scheduler",)
+    loaded = {dcp: {"params": _params(1.0), "missing": []}, dcp_ref: {"params": _params(1.0), "missing": []}}
+    assert "must be refused at the checkpoint" in composition_fuzz.verdict(dcp, loaded)
+    assert "checkpoint refused without naming" in composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": "E: no"}})
+    said = "CheckpointError: a DCP checkpoint ... not the LR scheduler's state (load_lr_scheduler_states=False ...)"
+    assert composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": said}}) is None
 
 
 def test_evidence_reports_a_feature_that_did_not_run():
@@ -100,6 +108,7 @@ def test_evidence_reports_a_feature_that_did_not_run():
     (the matrix's onebit_comm cells sent nothing compressed before their threshold was lowered)."""
     from types import SimpleNamespace
 
+    import torch
     from composition_evidence import missing
 
     unit = SimpleNamespace(numel=8, shard=8)
@@ -108,12 +117,35 @@ def test_evidence_reports_a_feature_that_did_not_run():
         partitioner=SimpleNamespace(stage=2, world=2, units=[unit]),
         allocator=SimpleNamespace(stats=lambda: {}),
         gradient_accumulation_steps=lambda: 1,
+        comm=None,
     )
-    run = {"compresses": True, "recompute": SimpleNamespace(recomputes=0), "accum_base": 1}
-    got = missing(("onebit_comm", "zero2", "act_ckpt", "grad_accum"), engine, None, run)
+    run = {"compresses": True, "recompute": SimpleNamespace(recomputes=0), "accum_base": 1,
+           "comm_built": lambda: [None], "replicas": 2, "dcp_format": "zkit"}
+    got = missing(("onebit_comm", "zero2", "act_ckpt", "grad_accum", "custom_comm", "dcp_checkpoint"), engine,
+                  torch.nn.Linear(1, 1), run)
     assert got == [
         "onebit_comm: nothing was sent 1-bit compressed: {'all_reduce': {'calls': 26, 'bytes': 10408}}",
         "zero2: stage 2 over 2 replicas keeps every element on this rank",
         "act_ckpt: no block was recomputed in backward",
         "grad_accum: 1 micro-batches per step",
+        "custom_comm: the engine reduces through None",
+        "dcp_checkpoint: the saved directory loads as 'zkit', not DCP",
     ]
+
+
+def test_counting_communicator_evidence():
+    """custom_comm's trace: the gradients reduced through it, and the grid's groups built by it."""
+    from types import SimpleNamespace
+
+    from collections import Counter
+
+    from composition_comm import CountingCommunicator, reduced_through
+
+    comm = CountingCommunicator.__new__(CountingCommunicator)  # no process group needed to read counts
+    comm.calls = Counter()
+    engine = SimpleNamespace(comm=comm)
+    assert "no gradient was reduced" in reduced_through(engine, [None], 2, False)
+    assert reduced_through(engine, [None], 1, False) is None  # one replica: nothing to reduce
+    assert "the grid's groups came from elsewhere" in reduced_through(engine, [None], 1, True)
+    comm.calls["reduce_scatter"] += 1
+    assert reduced_through(engine, [None, "pipe"], 2, True) is None

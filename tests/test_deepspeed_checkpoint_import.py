@@ -21,10 +21,11 @@ from background import Command
 import zkit
 from zkit.testing import run_ranks
 
+import peer_env
 from deepspeed_peer_model import PeerNet, batch, ds_config
+from peer_env import PEER_PYTHON
 
 HERE = Path(__file__).resolve().parent
-PEER_PYTHON = HERE.parent / ".venv-peers" / "bin" / "python"
 BEFORE, AFTER = 3, 3
 RTOL = 1e-4
 STAGES = (1, 2, 3)
@@ -36,20 +37,10 @@ BF16_RTOL = 2e-2
 FP16_RTOL = 5e-3
 
 
-def _peer_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    return env
-
-
-def _peer_probe() -> Command:
-    return Command([str(PEER_PYTHON), "-c", "import deepspeed"], env=_peer_env(), timeout=300)
-
-
 def _peer_command(script: str, root: Path, *args: str) -> Command:
     """A DeepSpeed peer script in DeepSpeed's interpreter, writing into ``root``."""
     return Command([str(PEER_PYTHON), str(HERE / script), "--out", str(root), "--before", str(BEFORE), "--after",
-                    str(AFTER), *args], env=_peer_env(), timeout=600)
+                    str(AFTER), *args], env=peer_env.environment(), timeout=600)
 
 
 def _peer_ran(what: str, proc) -> None:
@@ -60,24 +51,23 @@ def _peer_ran(what: str, proc) -> None:
 
 def peer_commands(script: str, *args: str, then=lambda root: []):
     """A ``BACKGROUND`` entry (tests/background.py) for a fixture that runs a DeepSpeed peer script:
-    the probe of the peer environment, the script, then the commands ``then(root)``."""
+    the script, then the commands ``then(root)``."""
     def make(root: Path) -> list[Command]:
         if not PEER_PYTHON.exists():
             return []
-        return [_peer_probe(), _peer_command(script, root, *args), *then(root)]
+        return [_peer_command(script, root, *args), *then(root)]
     return make
 
 
 def peer_job(background, request) -> Path:
-    """Wait for the fixture's peer commands (skipped without the peer environment); the directory
-    they wrote into."""
+    """Wait for the fixture's peer commands (skipped without the peer environment, or when it cannot
+    import DeepSpeed); the directory they wrote into."""
     if not PEER_PYTHON.exists():
         pytest.skip(f"no DeepSpeed peer environment at {PEER_PYTHON} (build it with `make peers`)")
     root, done = background.wait(request)
-    probe, *runs = done
-    if probe.returncode != 0:
-        pytest.skip(f"{PEER_PYTHON} cannot import deepspeed: {probe.stderr.strip().splitlines()[-1:]}")
-    for proc in runs:
+    if any(proc.returncode != 0 for proc in done) and (error := peer_env.cannot_import("deepspeed")):
+        pytest.skip(f"{PEER_PYTHON} cannot import deepspeed: {[error]}")
+    for proc in done:
         _peer_ran(Path(proc.args[1]).name, proc)
     return root
 
@@ -86,7 +76,7 @@ def _conversions(root: Path) -> list[Command]:
     """DeepSpeed's own ``zero_to_fp32`` conversions of the runs ``test_zero_to_fp32`` compares."""
     from test_zero_to_fp32 import deepspeeds_conversion_argv
 
-    return [Command(deepspeeds_conversion_argv(root), env=_peer_env(), timeout=600)]
+    return [Command(deepspeeds_conversion_argv(root), env=peer_env.environment(), timeout=600)]
 
 
 PEER_RUNS = ",".join([f"{s}:fp32" for s in STAGES] + list(OTHER_RUNS))

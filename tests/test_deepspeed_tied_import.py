@@ -77,14 +77,14 @@ def test_a_nan_master_weight_in_a_deepspeed_checkpoint_is_refused_naming_the_fil
     import shutil
     import subprocess
 
-    from test_deepspeed_checkpoint_import import PEER_PYTHON, _peer_env
+    from peer_env import PEER_PYTHON, environment
 
     root, _ = tied_run
     shutil.copytree(root / "tied-2-fp32", tmp_path / "ckpt")
     optim = tmp_path / "ckpt" / "global_step3" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
     poison = ("import sys, torch; f = sys.argv[1]; d = torch.load(f, weights_only=False); "
               "d['optimizer_state_dict']['single_partition_of_fp32_groups'][0].data[3] = float('nan'); torch.save(d, f)")
-    subprocess.run([str(PEER_PYTHON), "-c", poison, str(optim)], env=_peer_env(), check=True, timeout=300)
+    subprocess.run([str(PEER_PYTHON), "-c", poison, str(optim)], env=environment(), check=True, timeout=300)
     results = run_ranks(load_error, 1, args=(str(tmp_path / "ckpt"),), timeout=300)
     assert results[0].startswith(f"{optim}: the fp32 master weights of "), results[0]
     assert results[0].endswith("hold 1 NaN or infinite value(s); the run diverged before this save: load an "

@@ -111,7 +111,8 @@ def write_dcp(
     files = formats.open_pieces(pm, Path(checkpoint_dir), tag)
     where, meta = files.where, files.meta
     if "parts" in meta:
-        raise CheckpointError(f"{where}: a model split into model-parallel parts; export one part's directory")
+        raise CheckpointError(f"{where}: a model split into model-parallel parts (pipeline stages or tensor-parallel "
+                              "slices); a DCP export writes one whole model: export one part's directory")
     full, states = _full_tensors(files, where)
     target = DTYPES[dtype_name]
     model: dict[str, torch.Tensor] = {}
@@ -149,12 +150,43 @@ def _group_options(files: PieceSource) -> dict[str, Any]:
     return {k: v for k, v in first.items() if k != "params" and isinstance(v, (int, float, str, bool, tuple, list))}
 
 
-def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool) -> tuple[str, dict]:
+def _state_dcp_lacks(engine: "Engine", *, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> list[str]:
+    """What the engine would restore from its own checkpoint and a DCP one does not hold: an LR
+    schedule, and state an optimizer keeps beside its per-parameter state (1-bit Adam's step
+    count and phase). Loading without it would continue training differently, silently."""
+    lacking = []
+    if load_lr_scheduler_states and engine.lr_scheduler is not None:
+        lacking.append(f"the LR scheduler {type(engine.lr_scheduler).__name__}'s state (pass "
+                       "load_lr_scheduler_states=False to start the schedule anew)")
+    if load_optimizer_states:
+        seen: set[int] = set()
+        for opt in (engine.optimizer, getattr(engine.partitioner, "optimizer", None)):
+            for _ in range(4):  # through wrappers to the optimizer that steps
+                if opt is None or id(opt) in seen:
+                    break
+                seen.add(id(opt))
+                if isinstance(opt, torch.optim.Optimizer):
+                    own = sorted(set(opt.state_dict()) - {"state", "param_groups"})
+                    if own:
+                        lacking.append(f"the optimizer {type(opt).__name__}'s own state ({', '.join(own)}; pass "
+                                       "load_optimizer_states=False to take the weights only)")
+                opt = getattr(opt, "optimizer", None)
+    return lacking
+
+
+def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool,
+             load_lr_scheduler_states: bool = False) -> tuple[str, dict]:
     """Fill every piece this rank owns from the DCP checkpoint at ``where``: the weights under
     ``model.<fqn>`` (or bare ``<fqn>``), and, with ``load_optimizer_states``, the state under
-    ``optimizer.state.<fqn>.<key>``. Counters start at 0 (DCP carries no zkit training state)."""
+    ``optimizer.state.<fqn>.<key>``. Counters start at 0 (DCP carries no zkit training state).
+    Refused when the engine has state to restore that DCP does not hold (:func:`_state_dcp_lacks`)."""
     import torch.distributed.checkpoint as dcp
 
+    lacking = _state_dcp_lacks(engine, load_optimizer_states=load_optimizer_states,
+                               load_lr_scheduler_states=load_lr_scheduler_states)
+    if lacking:
+        raise CheckpointError(f"{where}: a DCP checkpoint holds weights and per-parameter optimizer state only, "
+                              f"not {'; nor '.join(lacking)}")
     reader = dcp.FileSystemReader(str(where))
     stored = reader.read_metadata().state_dict_metadata
     prefix = "model." if any(k.startswith("model.") for k in stored) else ""

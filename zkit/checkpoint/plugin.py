@@ -38,7 +38,8 @@ def _is_hf(path: Path, tag: str | None) -> bool:
 
 def _load_dcp(engine: "Engine", path: Path, tag: str | None, *, load_optimizer_states: bool,
               load_lr_scheduler_states: bool) -> tuple[str, dict[str, Any]]:
-    return load_dcp(engine, path, load_optimizer_states=load_optimizer_states)  # DCP holds no LR schedule
+    return load_dcp(engine, path, load_optimizer_states=load_optimizer_states,
+                    load_lr_scheduler_states=load_lr_scheduler_states)  # refused: DCP holds no LR schedule
 
 
 @zkit.hookimpl(trylast=True)

@@ -10,11 +10,12 @@ Two ways in, as DeepSpeed and FSDP2 users write them:
   context, i.e. the same backend and options.
 
 Either way only the module's forward is compiled; the engine's own steps (hooks, reductions, the
-optimizer step) stay eager. Stages 0-2 compile. Stage 3 is refused (:func:`refuse_stage`): its
-released parameters are placeholders that become their gathered values inside the forward, and
-Dynamo, which guards each compiled forward on the parameters' shapes and strides as it found them,
-compiled the forward again at every step (the losses were the eager run's; after its recompile
-limit Dynamo runs the forward uncompiled).
+optimizer step) stay eager. A partitioner whose record gives a ``compile_refusal`` is refused with
+that reason (:func:`refuse_partitioner`): zkit.zero's stage 3, whose released parameters are
+placeholders that become their gathered values inside the forward, so that Dynamo, which guards
+each compiled forward on the parameters' shapes and strides as it found them, compiled the forward
+again at every step (the losses were the eager run's; after its recompile limit Dynamo runs the
+forward uncompiled).
 
 The engine's FLOP probe measures the first training micro-step under ``FlopCounterMode``, a
 dispatch mode Dynamo refuses to trace; a frame Dynamo refused once is never compiled again. So the
@@ -29,6 +30,8 @@ from typing import Any, Iterator
 
 import torch
 
+from zkit.core.records import PartitionerRecord
+
 log = logging.getLogger("zkit")
 
 #: what DeepSpeed's ``engine.compile`` accepts that zkit does not do, and why
@@ -39,14 +42,11 @@ _COMPILED_AUTOGRAD = ("engine.compile(compiled_autograd_enabled=True) is not sup
                       "compile the forward only (compiled_autograd_enabled=False)")
 
 
-def refuse_stage(stage: int | None) -> None:
-    """Raise where ZeRO ``stage`` cannot train a compiled module (see the module docstring)."""
-    if stage == 3:
-        raise ValueError(
-            "torch.compile with ZeRO stage 3 is not supported: stage 3 turns each released parameter from a "
-            "placeholder into its gathered values inside forward, and Dynamo compiles the forward again at every step; "
-            "compile at ZeRO stages 0-2, or train stage 3 without torch.compile"
-        )
+def refuse_partitioner(partitioner: PartitionerRecord) -> None:
+    """Raise where the ``partitioner`` record says it cannot train a compiled module."""
+    if partitioner.compile_refusal:
+        where = f"partitioner {partitioner.name!r} of {partitioner.dist or 'zkit'}"
+        raise ValueError(f"{partitioner.compile_refusal} ({where})")
 
 
 def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
@@ -64,18 +64,19 @@ def unwrap_compiled(model: torch.nn.Module) -> tuple[torch.nn.Module, Any]:
     return model._orig_mod, context
 
 
-def compile_in_place(module: torch.nn.Module, stage: int, context: Any) -> None:
+def compile_in_place(module: torch.nn.Module, partitioner: PartitionerRecord, context: Any) -> None:
     """Compile ``module``'s calls with the compiler context taken from an ``OptimizedModule``
     (what ``module.compile(backend=..., **options)`` would install)."""
-    refuse_stage(stage)
+    refuse_partitioner(partitioner)
     module._compiled_call_impl = context(module._call_impl)
 
 
-def compile_module(module: torch.nn.Module, stage: int, backend: Any, compile_kwargs: dict[str, Any] | None,
-                   schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:
-    """``engine.compile``'s work: check the stage and DeepSpeed's arguments zkit does not
+def compile_module(module: torch.nn.Module, partitioner: PartitionerRecord, backend: Any,
+                   compile_kwargs: dict[str, Any] | None, schedule: Any = None,
+                   compiled_autograd_enabled: bool = False) -> None:
+    """``engine.compile``'s work: check the partitioner and DeepSpeed's arguments zkit does not
     implement, then ``module.compile(backend=backend, **compile_kwargs)``."""
-    refuse_stage(stage)
+    refuse_partitioner(partitioner)
     if schedule is not None:
         raise ValueError(_DEEPCOMPILE)
     if compiled_autograd_enabled:

@@ -26,7 +26,7 @@ from zkit.core.assembly import Assembly
 from zkit.core.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
 from zkit.core.config import ZkitConfig, load_config
 from zkit.core.microstep import MicroStep
-from zkit.core.partitioner import PartitionContext, Partitioner
+from zkit.core.partitioner import PartitionContext, Partitioner, built_partitioned
 from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
 from zkit.core.precision import LossScaler, cast_model
 from zkit.core.records import OptimizerRecord
@@ -124,7 +124,7 @@ class Engine(torch.nn.Module):
         self.pm.hook.zkit_prepare_model(model=model, stage=self.records["partitioner"].stage, world_size=world)
         self.module = cast_model(model, self.dtype, self.device)
         if compiled_with is not None:
-            compile_in_place(self.module, self.records["partitioner"].stage, compiled_with)
+            compile_in_place(self.module, self.records["partitioner"], compiled_with)
         #: where communicators, the allocator and stores come from (plugins ask it too)
         self.assembly = Assembly(self.pm, self.config, self.stack, self.records, self.device)
         self.comm = self.assembly.gradient_communicator(dp_group)
@@ -325,7 +325,7 @@ class Engine(torch.nn.Module):
         """Compile the module's forward with ``torch.compile`` (DeepSpeed's call; a second call does
         nothing). The engine's hooks, reductions and optimizer step stay eager; see :mod:`zkit.core.compile`."""
         if not self.is_compiled:
-            compile_module(self.module, self.partitioner.stage, backend, compile_kwargs, schedule,
+            compile_module(self.module, self.records["partitioner"], backend, compile_kwargs, schedule,
                            compiled_autograd_enabled)
 
     @property
@@ -699,7 +699,7 @@ def broadcast_module(module: torch.nn.Module, group: Any = None, bucket_numel: i
     if dist.get_world_size(group) == 1:
         return
     src = dist.get_process_group_ranks(group)[0] if group is not None else 0
-    tensors = [p.data for p in module.parameters() if getattr(p, "_zkit_unit", None) is None]
+    tensors = [p.data for p in module.parameters() if not built_partitioned(p)]
     tensors += [b for b in module.buffers()]
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:

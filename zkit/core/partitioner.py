@@ -34,6 +34,16 @@ if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.records import OptimizerRecord
 
 
+#: the attribute a parameter built already partitioned (``zkit.zero.Init``) carries, naming its
+#: unit: the engine leaves such a parameter to its partitioner (no cast, no broadcast from rank 0)
+PARTITIONED_ATTR = "_zkit_unit"
+
+
+def built_partitioned(param: torch.Tensor) -> bool:
+    """Whether ``param`` was built already partitioned (see :data:`PARTITIONED_ATTR`)."""
+    return getattr(param, PARTITIONED_ATTR, None) is not None
+
+
 @attrs.define(kw_only=True)
 class PartitionContext:
     """Everything a partitioner factory is given."""

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from zkit.core.partitioner import built_partitioned
+
 
 class LossScaleAtMinimum(RuntimeError):
     """fp16 overflowed with the loss scale already at ``min_loss_scale``: training diverged."""
@@ -103,7 +105,7 @@ def cast_model(module: torch.nn.Module, dtype: torch.dtype, device: torch.device
     with torch.no_grad():
         for m in module.modules():
             for p in m._parameters.values():
-                if p is None or hasattr(p, "_zkit_unit"):
+                if p is None or built_partitioned(p):
                     continue
                 target = dtype if p.is_floating_point() and dtype != torch.float32 else p.dtype
                 if p.device != device or p.dtype != target:

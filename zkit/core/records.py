@@ -51,9 +51,13 @@ class PartitionerRecord(Record):
     ``factory(ctx: zkit.core.partitioner.PartitionContext) -> zkit.core.partitioner.Partitioner``.
     ``stage`` is the ZeRO stage the partitioner implements (``zero_optimization.stage`` selects
     by it), or ``None`` for a partitioner selected only by name.
+    ``compile_refusal``: why the partitioner cannot train a ``torch.compile``-d module, or ``None``
+    when it can; ``engine.compile()`` and ``initialize(model=torch.compile(...))`` raise it, naming
+    the record (ZeRO-3's: its gathered parameters make Dynamo recompile the forward at every step).
     """
 
     stage: int | None = None
+    compile_refusal: str | None = None
 
 
 @attrs.frozen(kw_only=True)

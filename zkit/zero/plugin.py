@@ -12,6 +12,14 @@ from zkit.zero.init_adopt import adopt_init_model
 from zkit.zero.stage3 import Stage3
 
 
+#: why stage 3 cannot train a torch.compile-d module (zkit.core.compile): Dynamo guards a compiled
+#: forward on the parameters as it found them, and stage 3 swaps placeholders for gathered values
+STAGE3_COMPILE_REFUSAL = (
+    "torch.compile with ZeRO stage 3 is not supported: stage 3 turns each released parameter from a "
+    "placeholder into its gathered values inside forward, and Dynamo compiles the forward again at every step; "
+    "compile at ZeRO stages 0-2, or train stage 3 without torch.compile"
+)
+
 #: stage, class, extra names, what it partitions
 STAGES = (
     (0, Stage0, ("ddp",), "data parallel: replicated states, bucketed all-reduce overlapping backward"),
@@ -25,7 +33,8 @@ STAGES = (
 def zkit_register_partitioners():
     for stage, factory, aliases, description in STAGES:
         yield PartitionerRecord(name=f"zero{stage}", stage=stage, factory=factory,
-                                aliases=(f"stage{stage}", *aliases), description=description)
+                                aliases=(f"stage{stage}", *aliases), description=description,
+                                compile_refusal=STAGE3_COMPILE_REFUSAL if stage == 3 else None)
 
 
 @zkit.hookimpl(trylast=True)

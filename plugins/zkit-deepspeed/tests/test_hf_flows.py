@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 from background import Command
+import peer_env
+from peer_env import PEER_PYTHON
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[2]
-PEER_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 FLOWS = [
     "trainer:gpt2:0", "trainer:gpt2:2", "trainer:gpt2:3",
     "trainer:bert:0", "trainer:bert:2", "trainer:bert:3",
@@ -71,13 +71,11 @@ def _zkit_side(root: Path) -> list[Command]:
 
 
 def _peer_side(root: Path) -> list[Command]:
-    """The probe (its failure is why there is no reference), then the two runs."""
+    """The two runs (where the first fails, ``peer_env`` tells whether the environment is why)."""
     if not PEER_PYTHON.exists():
         return []
     env = _env(DS_ACCELERATOR="cpu")
-    probe = Command([str(PEER_PYTHON), "-c", "import deepspeed, transformers, accelerate"], env=env, timeout=300)
-    return [probe,
-            _command([str(PEER_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2"], root / "out-deepspeed",
+    return [_command([str(PEER_PYTHON), "-m", "torch.distributed.run", "--nproc_per_node", "2"], root / "out-deepspeed",
                      env, FLOWS),
             _command([str(PEER_PYTHON), "-m", "accelerate.commands.launch", *LAUNCH_FLAGS],
                      root / "out-deepspeed-launch", env, [LAUNCHED])]
@@ -98,11 +96,16 @@ def peer_results(background, request) -> dict:
     if not PEER_PYTHON.exists():
         pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist")
     root, done = background.wait(request)
-    probe = done[0]
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["?"])[-1]
+    if any(proc.returncode != 0 for proc in done) and (
+            last := peer_env.cannot_import("deepspeed", "transformers", "accelerate")):
         pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} cannot import deepspeed ({last})")
-    return _results(done[1:], root, "deepspeed")
+    return _results(done, root, "deepspeed")
+
+
+def test_the_peer_side_runs_the_flows_and_no_probe(tmp_path):
+    commands = _peer_side(tmp_path)
+    assert len(commands) == (2 if PEER_PYTHON.exists() else 0)
+    assert all(str(HERE / "hf_flows.py") in c.argv for c in commands)
 
 
 def test_dropin_ran(zkit_results):

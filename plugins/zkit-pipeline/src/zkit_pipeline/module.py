@@ -217,11 +217,16 @@ class PipelineModule(nn.Module):
             x = checkpoint(_run_all, funcs[i : i + k], x, use_reentrant=False, name=f"pipeline layers {i}-{i + k - 1}")
         return x
 
-    def forward(self, x: Any) -> Any:
-        """Run all this stage's layers (a single-stage model only)."""
-        if self.num_stages * self.virtual_stages != 1:
-            raise RuntimeError("PipelineModule with several stages runs through a pipeline schedule, not forward()")
-        return self.forward_chunk(0, x)
+    def forward(self, x: Any, chunk: int | None = None) -> Any:
+        """Run the layers of this stage's ``chunk``. The pipeline runner calls the module this way, so
+        that ``torch.compile`` of the module (``engine.compile()``) compiles the chunks, as DeepSpeed's
+        pipeline engine compiles its stage module. Without ``chunk``: all the layers of a single-stage
+        model."""
+        if chunk is None:
+            if self.num_stages * self.virtual_stages != 1:
+                raise RuntimeError("PipelineModule with several stages runs through a pipeline schedule, not forward()")
+            chunk = 0
+        return self.forward_chunk(chunk, x)
 
     # -- tied weights ---------------------------------------------------------------------------
     def tied_groups(self, grid: Any) -> dict[str, list[list[int]]]:
