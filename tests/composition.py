@@ -123,6 +123,8 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
 REFUSED_AT_CHECKPOINT: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("onebit_adam", "dcp_checkpoint"): ("DCP does not hold the 1-bit optimizer's step count and phase: refused at "
                                         "the load", ("dcp", "onebitadam", "load_optimizer_states=false")),
+    ("fp16", "dcp_checkpoint"): ("DCP does not hold the dynamic fp16 loss scale: refused at the load",
+                                 ("dcp", "loss scale", "load_optimizer_states=false")),
     ("pipeline", "dcp_checkpoint"): ("a DCP export writes one whole model, not pipeline stages: refused at the "
                                      "save", ("dcp", "pipeline stages")),
     ("dcp_checkpoint", "tensor_parallel"): ("as pipeline: not tensor-parallel slices", ("dcp", "tensor-parallel")),

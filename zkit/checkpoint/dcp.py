@@ -152,12 +152,16 @@ def _group_options(files: PieceSource) -> dict[str, Any]:
 
 def _state_dcp_lacks(engine: "Engine", *, load_optimizer_states: bool, load_lr_scheduler_states: bool) -> list[str]:
     """What the engine would restore from its own checkpoint and a DCP one does not hold: an LR
-    schedule, and state an optimizer keeps beside its per-parameter state (1-bit Adam's step
-    count and phase). Loading without it would continue training differently, silently."""
+    schedule, the dynamic fp16 loss scale, and state an optimizer keeps beside its per-parameter
+    state (1-bit Adam's step count and phase). Loading without it would continue training differently, silently."""
     lacking = []
     if load_lr_scheduler_states and engine.lr_scheduler is not None:
         lacking.append(f"the LR scheduler {type(engine.lr_scheduler).__name__}'s state (pass "
                        "load_lr_scheduler_states=False to start the schedule anew)")
+    if load_optimizer_states and engine.loss_scaler.dynamic:
+        # DeepSpeed keeps the scale in its fp16 optimizer's state dict: it is optimizer state here too
+        lacking.append("the dynamic fp16 loss scale (pass load_optimizer_states=False to start it anew at its "
+                       "initial value)")
     if load_optimizer_states:
         seen: set[int] = set()
         for opt in (engine.optimizer, getattr(engine.partitioner, "optimizer", None)):
