@@ -239,17 +239,13 @@ def builtin_config_sections() -> dict[str, ConfigSectionRecord]:
     plugins ``ZKIT_BLOCK_PLUGINS`` blocks: what :func:`zkit.core.config.load_config` structures with
     when it is given no ``sections``."""
     blocked = frozenset(_split(os.environ.get("ZKIT_BLOCK_PLUGINS")))
-    return {path: rec for path, rec in _builtin_sections().items() if builtin_section_owners()[path] not in blocked}
+    return {path: rec for path, (owner, rec) in _builtin_section_table().items() if owner not in blocked}
 
 
 def builtin_section_owners() -> dict[str, str]:
     """``{dotted path: built-in plugin name}`` of every section zkit's own plugins own, blocked or
     not: so that a key of a blocked built-in is refused naming the plugin to unblock."""
     return {path: owner for path, (owner, _) in _builtin_section_table().items()}
-
-
-def _builtin_sections() -> dict[str, ConfigSectionRecord]:
-    return {path: rec for path, (_, rec) in _builtin_section_table().items()}
 
 
 _BUILTIN_SECTIONS: dict[str, tuple[str, ConfigSectionRecord]] = {}
