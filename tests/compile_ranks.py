@@ -5,21 +5,11 @@ import torch
 
 import zkit
 from zkit import telemetry
+from zkit.testing import CountingBackend
 
 import engine_ranks as er
 
 STEPS = 3
-
-
-class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it is given and runs them with ``inner``."""
-
-    def __init__(self, inner: str) -> None:
-        self.inner, self.graphs = inner, 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.graphs += 1
-        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
 
 def _config(stage: int, world: int) -> dict:

@@ -50,7 +50,9 @@ FEATURES: dict[str, str] = {
                        "column- then a row-parallel linear, the rest replicated",
     "block_sparse": "the model is a 2-block GPT (zkit.models.gpt.Block, 32 tokens) with GPTConfig(attention="
                     "\"block_sparse\") (zkit-sparse, fixed layout of 8-token blocks, 2 local: not dense attention)",
-    "tied_weights": "the model is the 2-block GPT with dense attention and its token embedding tied to the head",
+    "tied_weights": "the model is the 2-block GPT with dense attention and its token embedding tied to the head "
+                    "(in a pipeline, a TiedLayerSpec that both stages hold, their gradients summed; the head's "
+                    "norm a layer of its own)",
     "zeroone_adam": "zkit-onebit's ZeroOneAdam in its first variance phase (every step a variance step: its "
                     "compressed steps are compared with their simulation in its own tests)",
     "onebit_comm": "zkit-onebit's OneBitCommunicator chosen by zkit.Stack(communicator=...) with the config's "
@@ -140,13 +142,7 @@ NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"),
                      ("cpu_offload", "step_in_backward"), ("nvme_offload", "step_in_backward"),
                      ("save_load", "dcp_checkpoint"), ("custom_comm", "onebit_comm")}
 #: pairs the matrix does not run, and the test that covers them (or why none does)
-ELSEWHERE: dict[tuple[str, str], str] = {
-    ("pipeline", "tied_weights"): "an embedding tied to the head across the 2 stages (TiedLayerSpec): "
-                                  "plugins/zkit-pipeline/tests/test_pipeline_engine.py (the tied cases against "
-                                  "single-process training; ZeRO 2 with weights tied across stages refused)",
-    ("tied_weights", "pipeline_dp"): "as pipeline x tied_weights: test_pipeline_engine.py runs its tied cases on "
-                                     "2 x 2 ranks",
-}
+ELSEWHERE: dict[tuple[str, str], str] = {}
 
 
 def pairs() -> list[tuple[str, str]]:
@@ -281,8 +277,8 @@ def markdown() -> str:
         "- **refused**: `zkit.initialize` refuses it with an error naming both features;",
         "- **refused at checkpoint**: `initialize` accepts it and it trains, but its checkpoint round trip",
         "  is refused, at the save or at the load, with an error naming both features;",
-        "- **†**: not run by the matrix: the list at the end names the test that covers the pair, or",
-        "  says why none does;",
+        *(["- **†**: not run by the matrix: the list at the end names the test that covers the pair, or",
+            "  says why none does;"] if ELSEWHERE else []),
         "- **—**: two values of one setting, not a combination.",
         "",
         "| | " + " | ".join(f"`{n}`" for n in names) + " |",
@@ -304,8 +300,9 @@ def markdown() -> str:
     lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in REFUSED.items() if (a, b) not in NOT_A_COMBINATION]
     lines += ["", "## Why the pairs refused at checkpoint are refused", ""]
     lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in REFUSED_AT_CHECKPOINT.items()]
-    lines += ["", "## Pairs covered outside the matrix (†)", ""]
-    lines += [f"- `{a}` × `{b}`: {where}" for (a, b), where in ELSEWHERE.items()]
+    if ELSEWHERE:
+        lines += ["", "## Pairs covered outside the matrix (†)", ""]
+        lines += [f"- `{a}` × `{b}`: {where}" for (a, b), where in ELSEWHERE.items()]
     lines += fuzzer_section()
     return "\n".join(lines) + "\n"
 
@@ -330,8 +327,12 @@ def fuzzer_section() -> list[str]:
     lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in fuzz.REFUSED.items() if (a, b) not in REFUSED]
     lines += [f"- `{a}` × `{b}` (at checkpoint): {why}" for (a, b), (why, _) in fuzz.REFUSED_AT_CHECKPOINT.items()
               if (a, b) not in REFUSED_AT_CHECKPOINT]
+    lines += [f"- `{a}` × `{b}` at ZeRO stage {stage} (given, or the offload's default; a `reshard` that loads "
+              f"at it is refused at the load): {why}"
+              for (a, b), (stage, why, _) in fuzz.REFUSED_AT_STAGE.items()]
     lines += ["", "Never drawn together: two values of one setting (the pairs marked —, two optimizers of the",
-              "config, two checkpoint features), the pairs marked †, and what a 2-rank harness cannot run: "
+              "config, two checkpoint features)" + (", the pairs marked †" if ELSEWHERE else "")
+              + ", and what a 2-rank harness cannot run: "
               + ", ".join(" × ".join(f"`{f}`" for f in sorted(pair)) for pair in fuzz.HARNESS_LIMITS) + "."]
     return lines
 

@@ -116,6 +116,8 @@ def _tensor_parallel(model: torch.nn.Module) -> str | None:
 def _tied(model: torch.nn.Module) -> str | None:
     from composition_models import Embed, Head
 
+    if hasattr(model, "ties_stages"):  # a pipeline stage: the embedding is tied across the stages
+        return None if model.ties_stages else "no module is tied across the pipeline stages"
     embeds = [m for m in model.modules() if isinstance(m, Embed)]
     heads = [m for m in model.modules() if isinstance(m, Head)]
     if embeds and heads and embeds[0].wte.weight is not heads[0].lm_head.weight:

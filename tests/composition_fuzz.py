@@ -129,7 +129,7 @@ def verdict(features: tuple[str, ...], results: dict) -> str | None:
     if at_checkpoint:
         if "refused_checkpoint" not in got:
             return f"saved and loaded, but {at_checkpoint} must be refused at the checkpoint"
-        words = [fuzz.REFUSED_AT_CHECKPOINT.get(p, fuzz.REFUSED_AT_CHECKPOINT.get(p[::-1]))[1] for p in at_checkpoint]
+        words = [fuzz.checkpoint_refusal_words(p) for p in at_checkpoint]
         if not any(all(w.lower() in got["refused_checkpoint"].lower() for w in ws) for ws in words):
             return f"checkpoint refused without naming any of {at_checkpoint}: {got['refused_checkpoint']}"
         return None

@@ -48,11 +48,22 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
                                 "the stages cannot gather them back",
                                 ("zkit.zero.init", "pipeline")),
 }
+#: pairs initialize refuses at one ZeRO stage only (the stage a set runs at: given, or an offload's
+#: default): the stage, why, and the words its error must contain
+REFUSED_AT_STAGE: dict[tuple[str, str], tuple[int, str, tuple[str, ...]]] = {
+    ("pipeline", "tied_weights"): (2, "stage 2 frees each gradient into its shard during backward, before the "
+                                      "tied embedding's gradients are summed over the stages",
+                                   ("zero stage 2", "tiedlayerspec", "pipeline")),
+}
 #: pairs whose checkpoint round trip is refused (at the save or the load) beyond the matrix's
 REFUSED_AT_CHECKPOINT: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **matrix.REFUSED_AT_CHECKPOINT,
     ("dcp_checkpoint", "scheduler"): ("DCP holds no LR schedule: refused at the load",
                                       ("dcp", "lr scheduler", "load_lr_scheduler_states=false")),
+    **{(split, "ds_import"): ("DeepSpeed's checkpoint is of the unsplit model, which loads only into an unsplit "
+                              "model: refused at the load",
+                              ("deepspeed checkpoint of an unsplit model", "pipeline or tensor-parallel"))
+       for split in ("pipeline", "tensor_parallel")},
 }
 #: what this harness cannot run: 4 ranks; a pipeline takes a whole batch at once (no saving
 #: between micro-batches); a stage to reshard to (param_offload needs 3, ZeroOneAdam 0); numerics
@@ -66,7 +77,6 @@ HARNESS_LIMITS: list[frozenset[str]] = [
 ]
 #: pairs never drawn together: two values of one setting (the matrix's, the config's optimizer,
 #: one checkpoint per run), the harness's limits, and the pairs the matrix leaves to other tests
-#: (pipeline x tied_weights: this harness does not map a tied pipeline's layers onto the GPT's)
 NOT_DRAWN: set[frozenset[str]] = {
     *(frozenset(p) for p in matrix.NOT_A_COMBINATION),
     *(frozenset(p) for p in matrix.ELSEWHERE),
@@ -87,19 +97,40 @@ def drawable(features: tuple[str, ...]) -> bool:
     return bool(features) and not any(pair <= set(features) for pair in NOT_DRAWN)
 
 
+def _stage(features: tuple[str, ...]) -> Any:
+    """The ZeRO stage a set runs at (a list where it names several: refused)."""
+    return matrix.config(tuple(f for f in features if f in matrix.FEATURES), "")["zero_optimization"]["stage"]
+
+
 def refused_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
-    """The pairs of ``features`` initialize must refuse."""
-    return [pair for pair in itertools.combinations(features, 2) if pair in REFUSED or pair[::-1] in REFUSED]
-
-
-def refused_checkpoint_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
-    """The pairs of ``features`` whose checkpoint round trip must be refused."""
-    return [pair for pair in itertools.combinations(features, 2)
-            if pair in REFUSED_AT_CHECKPOINT or pair[::-1] in REFUSED_AT_CHECKPOINT]
+    """The pairs of ``features`` initialize must refuse (those refused at one stage when the set runs at it)."""
+    stage = _stage(features)
+    return [pair for pair in itertools.combinations(features, 2) if pair in REFUSED or pair[::-1] in REFUSED
+            or REFUSED_AT_STAGE.get(pair, (None,))[0] == stage]
 
 
 def refusal_words(pair: tuple[str, str]) -> tuple[str, ...]:
+    if pair in REFUSED_AT_STAGE:
+        return REFUSED_AT_STAGE[pair][2]
     return REFUSED[pair][1] if pair in REFUSED else REFUSED[pair[::-1]][1]
+
+
+def refused_checkpoint_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
+    """The pairs of ``features`` whose checkpoint round trip must be refused (with ``reshard``, the
+    pairs refused at the stage it loads at: the loading engine's initialize refuses them)."""
+    stage = _stage(features)
+    loads_at = None
+    if "reshard" in features and isinstance(stage, int):
+        loads_at = {2: 3, 3: 2}.get(stage) if "step_in_backward" in features else load_stage(features, stage)
+    return [pair for pair in itertools.combinations(features, 2)
+            if pair in REFUSED_AT_CHECKPOINT or pair[::-1] in REFUSED_AT_CHECKPOINT
+            or (loads_at is not None and REFUSED_AT_STAGE.get(pair, (None,))[0] == loads_at)]
+
+
+def checkpoint_refusal_words(pair: tuple[str, str]) -> tuple[str, ...]:
+    if pair in REFUSED_AT_STAGE:
+        return REFUSED_AT_STAGE[pair][2]
+    return REFUSED_AT_CHECKPOINT[pair][1] if pair in REFUSED_AT_CHECKPOINT else REFUSED_AT_CHECKPOINT[pair[::-1]][1]
 
 
 def reference_of(features: tuple[str, ...]) -> tuple[str, ...]:

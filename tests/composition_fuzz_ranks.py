@@ -9,18 +9,18 @@ import torch
 import composition_fuzz_model as fuzz
 import composition_ranks
 from composition_evidence import missing
-from composition_models import batch, build, is_pipeline, loss, named_params
+from composition_models import batch, build, is_pipeline, loss, named_params, plain_names
 
 STEPS = composition_ranks.STEPS
 
 
 def _global_index(model: torch.nn.Module, name: str) -> int:
     """The layer a parameter belongs to in the plain model (``layers.<index>``)."""
+    if hasattr(model, "layer_range"):  # a pipeline stage: chunks.0.<local index>, tied_modules.<key>
+        name = plain_names(model)[name]
     parts = name.split(".")
     if parts[0] == "module":  # a TensorParallelModule
         parts = parts[1:]
-    if parts[0] == "chunks":  # a pipeline stage: chunks.0.<local index>
-        return model.layer_range(0)[0] + int(parts[2])
     return int(parts[1])
 
 
@@ -105,7 +105,10 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
         elif "ds_import" in features:  # DeepSpeed took the first steps
             from composition_fuzz_peer import run_name
 
-            engine.load_checkpoint(f"{ds_root}/{run_name(*fuzz.deepspeed_run(features))}")
+            try:  # refusing to load it is not silent either
+                engine.load_checkpoint(f"{ds_root}/{run_name(*fuzz.deepspeed_run(features))}")
+            except Exception as exc:  # noqa: BLE001 - the refusal is the result
+                return {"refused_checkpoint": f"{type(exc).__name__}: {exc}"}
             run["loaded_steps"] = engine.global_steps
             _train(engine, features, cfg, range(STEPS - 1, STEPS))
         elif "save_mid_accum" in features:

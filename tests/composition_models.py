@@ -39,6 +39,27 @@ class Head(torch.nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
+class FinalNorm(torch.nn.Module):
+    """The head's layer norm as a layer of its own: a pipeline's head that reuses the embedding's
+    weight is a use of the tied embedding, which holds no norm."""
+
+    def __init__(self, ln_f: torch.nn.LayerNorm) -> None:
+        super().__init__()
+        self.ln_f = ln_f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x)
+
+
+def tied_head(embed: Embed, x: torch.Tensor) -> torch.Tensor:
+    """The LM head of the tied GPT: the token embedding's weight, as Net's lm_head."""
+    return torch.nn.functional.linear(x, embed.wte.weight)
+
+
+#: the key of the tied embedding in a pipeline (``tied_modules.<key>``) and its layer in the plain GPT
+TIED_KEY, TIED_LAYER = "embed", 0
+
+
 def gpt_config(features: tuple[str, ...]):
     from zkit.models.gpt import GPTConfig
 
@@ -122,6 +143,23 @@ def is_pipeline(features: tuple[str, ...]) -> bool:
     return "pipeline" in features or "pipeline_dp" in features
 
 
+def tied_pipeline_layers(plain: list[torch.nn.Module]) -> list:
+    """The tied GPT's layers for zkit-pipeline: the embedding a TiedLayerSpec (each stage that uses
+    it holds a copy; their gradients are summed over the stages), used first as itself and last
+    through :func:`tied_head`, after the head's norm. The plain model's own embedding is the tied
+    module, so the pipeline starts from Net's weights."""
+    from zkit_pipeline import TiedLayerSpec
+
+    embed, *blocks, head = plain
+
+    class PlainEmbedding(TiedLayerSpec):
+        def build(self) -> torch.nn.Module:
+            return embed
+
+    return [PlainEmbedding(TIED_KEY, Embed), *blocks, FinalNorm(head.ln_f),
+            PlainEmbedding(TIED_KEY, Embed, forward_fn=tied_head)]
+
+
 def build(features: tuple[str, ...]) -> torch.nn.Module:
     """The model of a cell, on this rank."""
     tensor_parallel = "tensor_parallel" in features
@@ -134,14 +172,19 @@ def build(features: tuple[str, ...]) -> torch.nn.Module:
     from zkit_pipeline import PipelineModule, ProcessGrid
 
     grid, stage_layers = None, layers(features)
+    partition = "uniform"
+    if "tied_weights" in features:
+        stage_layers = tied_pipeline_layers(stage_layers)
+        partition = "type:Block"  # one block per stage, as the untied GPT's uniform split
     if tensor_parallel:  # 2 stages x 2 tensor ranks (x 2 replicas for pipeline_dp): the layers are
         # split before the stages are cut
         from zkit.torch_distributed.communicator import TorchCommunicator
 
         grid = ProcessGrid(pipe=2, tensor=2, data=2 if "pipeline_dp" in features else 1)
         tp = TorchCommunicator(grid.build_groups(torch.distributed.get_rank())["tensor"], None)
-        stage_layers = [split_mlps(layer, tp) for layer in stage_layers]
-    return PipelineModule(stage_layers, num_stages=2, loss_fn=loss, partition_method="uniform", topology=grid,
+        stage_layers = [split_mlps(layer, tp) if isinstance(layer, torch.nn.Module) else layer  # not a spec
+                        for layer in stage_layers]
+    return PipelineModule(stage_layers, num_stages=2, loss_fn=loss, partition_method=partition, topology=grid,
                           activation_checkpoint_interval=1 if "act_ckpt" in features else 0)
 
 
@@ -170,11 +213,32 @@ def named_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             model = model.module
         whole = _whole(model, tensor_group) if tensor_group is not None else {}
         params = {name: whole.get(name, p.detach()).float().clone() for name, p in model.named_parameters()}
-        if not hasattr(model, "layer_range"):
-            return params
-        start, _ = model.layer_range(0)  # a pipeline stage: chunks.0.<local index>....
-        out = {}
-        for name, p in params.items():
-            _, _, local, rest = name.split(".", 3)
-            out[f"layers.{start + int(local)}.{rest}"] = p
-        return out
+    if not hasattr(model, "layer_range"):
+        return params
+    # a pipeline stage: gather every stage's parameters (the head's and the last block's too, and
+    # the tied embedding from each stage that holds it: the copies must be equal)
+    names = plain_names(model)
+    mine = {names[name]: p for name, p in params.items()}
+    stages: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(stages, mine)
+    out: dict[str, torch.Tensor] = {}
+    for stage in stages:
+        for name, p in stage.items():
+            if name in out and not torch.equal(out[name], p):
+                raise AssertionError(f"{name} differs between the ranks that hold it by "
+                                     f"{(out[name] - p).abs().max().item():.3g}")
+            out[name] = p
+    return out
+
+
+def plain_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{parameter name in a pipeline stage: its name in Net}``: ``layers.<global index>....``."""
+    out = {}
+    for name, whole in model.layer_names().items():
+        first, rest = whole.split(".", 1)
+        if first == "tied_modules":  # tied_modules.<key>.<name in the embedding>
+            key, rest = rest.split(".", 1)
+            assert key == TIED_KEY, key
+            first = str(TIED_LAYER)
+        out[name] = f"layers.{first}.{rest}"
+    return out

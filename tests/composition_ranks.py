@@ -113,7 +113,7 @@ def save(engine, where: str, *, dcp: bool, run: dict) -> str:
     if not dcp:
         return where
     from zkit.checkpoint.dcp import write_dcp
-    from zkit.core import checkpoint_formats
+    from zkit.checkpoint import formats
 
     out, error = f"{where}-dcp", [None]
     if torch.distributed.get_rank() == 0:
@@ -124,7 +124,7 @@ def save(engine, where: str, *, dcp: bool, run: dict) -> str:
     torch.distributed.broadcast_object_list(error, src=0)
     if error[0] is not None:
         raise RuntimeError(error[0])
-    found = checkpoint_formats.for_load(engine.pm, Path(out), None)
+    found = formats.for_load(engine.pm, Path(out), None)
     run["dcp_format"] = getattr(found, "name", None)
     return out
 

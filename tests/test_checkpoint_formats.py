@@ -1,6 +1,7 @@
 """Checkpoint formats are records of a hook family (``zkit_register_checkpoint_formats``): a format
 a plugin registers is what ``engine.load_checkpoint`` and ``consolidate`` use; names are unique;
-a format without an operation, or a DeepSpeed checkpoint without the drop-in, is refused by name."""
+a format without an operation, or a DeepSpeed checkpoint without the drop-in, is refused by name.
+The engine reaches a format through the hook ``zkit_checkpoint_format``, which a plugin may answer."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +12,7 @@ import torch
 import checkpoint_format_ranks as cfr
 import zkit
 from zkit.checkpoint import CheckpointError, consolidate
-from zkit.core.checkpoint_formats import for_load
+from zkit.checkpoint.formats import for_load
 from zkit.cli import main as cli_main
 from zkit.core.plugin_manager import PluginError, get_plugin_manager
 from zkit.core.records import CheckpointFormatRecord
@@ -99,3 +100,49 @@ def test_an_operation_a_format_lacks_or_an_unknown_format_is_refused_by_name(tmp
         cli_main(["consolidate", str(ds), str(tmp_path / "out"), "--format", "deepspeed"])
     with pytest.raises(SystemExit, match=r"unknown checkpoint format 'nope'; checkpoint formats: deepspeed, dcp, zkit, hf"):
         cli_main(["consolidate", str(ds), str(tmp_path / "out"), "--format", "nope"])
+
+
+class _RecordingFormat:
+    """Answers ``zkit_checkpoint_format`` for every directory with a format that records its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple] = []
+
+    def save(self, engine, save_dir, *, tag, client_state, save_latest, exclude_frozen_parameters):
+        self.calls.append(("save", Path(save_dir).name, tag, client_state, save_latest, exclude_frozen_parameters))
+        return "saved"
+
+    def load(self, engine, path, tag, *, load_optimizer_states, load_lr_scheduler_states):
+        self.calls.append(("load", path.name, tag, load_optimizer_states, load_lr_scheduler_states))
+        return "loaded", {"k": 1}
+
+    @zkit.hookimpl
+    def zkit_checkpoint_format(self, engine, path, tag, operation):
+        self.calls.append(("asked", path.name, tag, operation))
+        return CheckpointFormatRecord(name="recording", detect=lambda path, tag: True, load=self.load, save=self.save)
+
+
+def _inproc_engine(stack=None):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    return zkit.initialize(model=torch.nn.Linear(3, 2), config=cfg, stack=stack)[0]
+
+
+def test_a_plugin_answering_the_format_hook_saves_and_loads(tmp_path):
+    rec = _RecordingFormat()
+    engine = _inproc_engine(zkit.Stack(plugins=[rec]))
+    assert engine.save_checkpoint(str(tmp_path / "c"), tag="t", client_state={"a": 1}, save_latest=False) == "saved"
+    assert engine.load_checkpoint(str(tmp_path / "c"), load_module_only=True) == ("loaded", {"k": 1})
+    assert rec.calls == [("asked", "c", "t", "save"), ("save", "c", "t", {"a": 1}, False, False),
+                         ("asked", "c", None, "load"), ("load", "c", None, False, False)]
+    assert not (tmp_path / "c").exists()  # the built-in format wrote nothing
+
+
+def test_without_the_checkpoint_plugin_saving_and_loading_name_the_hook(monkeypatch, tmp_path):
+    monkeypatch.setenv("ZKIT_BLOCK_PLUGINS", "zkit.checkpoint_formats")
+    engine = _inproc_engine()
+    for call in (engine.save_checkpoint, engine.load_checkpoint):
+        with pytest.raises(RuntimeError, match=rf"engine.{call.__name__}: no plugin answers the hook "
+                                               r"zkit_checkpoint_format \(the built-in zkit.checkpoint_formats "
+                                               r"provides it: is it blocked\?\)"):
+            call(str(tmp_path))
+    assert not list(tmp_path.iterdir())

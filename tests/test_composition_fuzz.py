@@ -35,6 +35,7 @@ NAMED = [
     ("zero3", "tensor_parallel", "zero_init"),
     ("zero3", "dcp_checkpoint", "scheduler"),  # loaded a DCP checkpoint and restarted the schedule
     ("grad_accum", "custom_comm", "tensor_parallel"),
+    ("clipping", "pipeline", "tied_weights"),  # the pipeline's head was not tied to its embedding
 ]
 DRAWN_SEED, DRAWN = 0, 12
 SETS = list(dict.fromkeys([*(fuzz.canonical(s) for s in NAMED), *composition_fuzz.draw(DRAWN, DRAWN_SEED)]))
@@ -101,6 +102,25 @@ def test_verdict_names_what_went_wrong():
     assert "checkpoint refused without naming" in composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": "E: no"}})
     said = "CheckpointError: a DCP checkpoint ... not the LR scheduler's state (load_lr_scheduler_states=False ...)"
     assert composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": said}}) is None
+
+
+def test_a_pair_refused_at_one_stage_is_refused_at_that_stage_only():
+    """pipeline x tied_weights is refused at ZeRO stage 2, given or an offload's default, and
+    must equal its reference at the other stages."""
+    said = ("ValueError: PipelineRunner: ZeRO stage 2 with a TiedLayerSpec shared by several pipeline stages is not "
+            "supported")
+    for at_two in (("zero2", "pipeline", "tied_weights"), ("cpu_offload", "pipeline", "tied_weights")):
+        assert fuzz.refused_pairs(at_two) == [("pipeline", "tied_weights")], at_two
+        assert "must be refused at initialize" in composition_fuzz.verdict(
+            at_two, {at_two: {"params": _params(1.0), "missing": []}})
+        assert composition_fuzz.verdict(at_two, {at_two: {"refused": said}}) is None
+    for elsewhere in (("pipeline", "tied_weights"), ("zero1", "cpu_offload", "pipeline", "tied_weights")):
+        assert fuzz.refused_pairs(elsewhere) == [], elsewhere
+    # resharding from stage 1 loads at stage 2: the loading engine's initialize refuses it
+    to_two = ("zero1", "pipeline", "tied_weights", "reshard")
+    assert fuzz.refused_pairs(to_two) == [] and fuzz.refused_checkpoint_pairs(to_two) == [("pipeline", "tied_weights")]
+    assert composition_fuzz.verdict(to_two, {to_two: {"refused_checkpoint": said}}) is None
+    assert fuzz.refused_checkpoint_pairs(("pipeline", "tied_weights", "reshard")) == []  # 0 -> 1
 
 
 def test_evidence_reports_a_feature_that_did_not_run():

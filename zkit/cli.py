@@ -165,7 +165,7 @@ def consolidate(args: argparse.Namespace) -> int:
     """One state dict file (``--format file``), or an export in a checkpoint format's ``export``."""
     from zkit.checkpoint.consolidate import write_consolidated
     from zkit.core.checkpoint_errors import CheckpointError
-    from zkit.core.checkpoint_formats import named, operation
+    from zkit.checkpoint.formats import named, operation
     from zkit.core.plugin_manager import get_plugin_manager
 
     if args.format != "hf" and (args.hf_config or args.max_shard_bytes):

@@ -186,3 +186,18 @@ def _run_ranks_once(ctx, fn, world_size, args, kwargs, timeout, threads_per_rank
                 p.kill()
                 p.join()
     return [out[r] for r in range(world_size)]
+
+
+class CountingBackend:
+    """A ``torch.compile`` backend that counts the graphs Dynamo hands it and compiles each with the
+    backend named ``inner``: a test's proof that a forward was compiled at all (``graphs > 0``) and
+    not recompiled at every step."""
+
+    def __init__(self, inner: str = "aot_eager") -> None:
+        self.inner, self.graphs = inner, 0
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        import torch._dynamo
+
+        self.graphs += 1
+        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)

@@ -13,7 +13,7 @@ A model split over model-parallel ranks (pipeline stages, tensor slices) writes 
 checkpoint per part, in ``<dir>/<tag>/<part>/``, under one tag (:mod:`zkit.checkpoint.parts`).
 
 This is the ``"zkit"`` checkpoint format; the engine and ``zkit consolidate`` reach it, DCP, the
-Hugging Face export and any format a plugin registers through :mod:`zkit.core.checkpoint_formats`.
+Hugging Face export and any format a plugin registers through :mod:`zkit.checkpoint.formats`.
 """
 from zkit.checkpoint.consolidate import consolidate
 from zkit.core.checkpoint_errors import CheckpointError

@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 import torch
 
-from zkit.core import checkpoint_formats as formats
+from zkit.checkpoint import formats
 from zkit.checkpoint.digest import Digest, verify_tensor
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.files import META, rank_file

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
-from zkit.core import checkpoint_formats as formats
+from zkit.checkpoint import formats
 from zkit.checkpoint.consolidate import DTYPES, _piece_sources
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.optim_state import StatePlacer
@@ -162,19 +162,11 @@ def _state_dcp_lacks(engine: "Engine", *, load_optimizer_states: bool, load_lr_s
         # DeepSpeed keeps the scale in its fp16 optimizer's state dict: it is optimizer state here too
         lacking.append("the dynamic fp16 loss scale (pass load_optimizer_states=False to start it anew at its "
                        "initial value)")
-    if load_optimizer_states:
-        seen: set[int] = set()
-        for opt in (engine.optimizer, getattr(engine.partitioner, "optimizer", None)):
-            for _ in range(4):  # through wrappers to the optimizer that steps
-                if opt is None or id(opt) in seen:
-                    break
-                seen.add(id(opt))
-                if isinstance(opt, torch.optim.Optimizer):
-                    own = sorted(set(opt.state_dict()) - {"state", "param_groups"})
-                    if own:
-                        lacking.append(f"the optimizer {type(opt).__name__}'s own state ({', '.join(own)}; pass "
-                                       "load_optimizer_states=False to take the weights only)")
-                opt = getattr(opt, "optimizer", None)
+    optimizer = engine.optimizer  # the partitioner's, over its shards: the one that steps
+    own = sorted(set(optimizer.state_dict()) - {"state", "param_groups"}) if load_optimizer_states else []
+    if own:
+        lacking.append(f"the optimizer {type(optimizer).__name__}'s own state ({', '.join(own)}; pass "
+                       "load_optimizer_states=False to take the weights only)")
     return lacking
 
 

@@ -21,7 +21,6 @@ from typing import Any, Iterable, Iterator
 import torch
 
 from zkit.core import distributed, phases
-from zkit.core import checkpoint_formats
 from zkit.core.assembly import Assembly
 from zkit.core.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
 from zkit.core.config import ZkitConfig, load_config
@@ -208,26 +207,12 @@ class Engine(torch.nn.Module):
             if self.stack.optimizer is not None and self.config.optimizer is None:
                 params = {}
             return record, params
-        if client is None:
-            # No optimizer anywhere: an engine for inference or evaluation, as DeepSpeed allows.
-            self.inference_only = True
-            return OptimizerRecord(name="none", factory=_InferenceOnly, dist="zkit"), {}
-        if isinstance(client, torch.optim.Optimizer):
-            cls, defaults = type(client), _constructor_defaults(client)
-
-            def factory(groups: list[dict[str, Any]], **kw: Any) -> torch.optim.Optimizer:
-                return _adopt(client, cls(groups, **{**defaults, **kw}))
-
-            name = cls.__name__
-        elif callable(client):
-            factory = lambda groups, **kw: client(groups)  # noqa: E731
-            name = getattr(client, "__name__", "client")
-        else:
-            raise TypeError(f"optimizer= must be a torch optimizer or a callable, got {client!r}")
-        # torch's Adam family keeps Adam's moments: its checkpoints load into any "adam" optimizer
-        adam = isinstance(client, (torch.optim.Adam, torch.optim.AdamW))
-        return OptimizerRecord(name=f"client:{name}", factory=factory, dist="client",
-                               state_format="adam" if adam else None), {}
+        # the client's optimizer= becomes the record; none anywhere is an engine for inference or
+        # evaluation, as DeepSpeed allows
+        self.inference_only = client is None
+        record = self.pm.hook.zkit_client_optimizer(engine=self, optimizer=client)
+        return _answered(record, f"zkit.initialize(optimizer={_given(client)})", "zkit_client_optimizer",
+                         "zkit.optim_torch"), {}
 
     def _lr_scheduler(self, client: Any) -> Any:
         record = self.records["scheduler"]
@@ -238,9 +223,9 @@ class Engine(torch.nn.Module):
             return record.factory(self.optimizer, **params)
         if client is None:
             return None
-        if callable(client) and not hasattr(client, "step"):
-            return client(self.optimizer)
-        return _rebind_scheduler(client, self.optimizer)
+        scheduler = self.pm.hook.zkit_client_lr_scheduler(engine=self, lr_scheduler=client)
+        return _answered(scheduler, f"zkit.initialize(lr_scheduler={_given(client)})", "zkit_client_lr_scheduler",
+                        "zkit.optim_torch")
 
     def _dataloader(self, data: Any, collate_fn: Any) -> torch.utils.data.DataLoader:
         sampler = torch.utils.data.DistributedSampler(
@@ -381,7 +366,7 @@ class Engine(torch.nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
         if self.inference_only:
-            raise RuntimeError(_NO_OPTIMIZER)
+            raise RuntimeError(NO_OPTIMIZER)
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
         self._losses.append(loss.detach().float())
@@ -396,7 +381,7 @@ class Engine(torch.nn.Module):
     def step(self) -> None:
         """End a micro-step; at an accumulation boundary, run the optimizer step."""
         if self.inference_only:
-            raise RuntimeError(_NO_OPTIMIZER)
+            raise RuntimeError(NO_OPTIMIZER)
         self._require_on_device("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
@@ -575,7 +560,8 @@ class Engine(torch.nn.Module):
         """``exclude_frozen_parameters``: leave parameters with ``requires_grad=False`` out of the
         module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
         self._require_on_device("save_checkpoint")
-        save = checkpoint_formats.operation(checkpoint_formats.named(self.pm, checkpoint_formats.NATIVE), "save")
+        found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(save_dir), tag=tag, operation="save")
+        save = _answered(found, "engine.save_checkpoint", "zkit_checkpoint_format").save
         with phases.phase("save_checkpoint"):
             return save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                         exclude_frozen_parameters=exclude_frozen_parameters)
@@ -613,7 +599,7 @@ class Engine(torch.nn.Module):
             saved = self.pm.hook.zkit_save_16bit_model(
                 engine=self, path=Path(save_dir) / save_filename, exclude_frozen_parameters=exclude_frozen_parameters
             )
-        return bool(_answered(saved, "save_16bit_model"))
+        return bool(_answered(saved, "engine.save_16bit_model", "zkit_save_16bit_model"))
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's
@@ -621,7 +607,7 @@ class Engine(torch.nn.Module):
         state = self.pm.hook.zkit_consolidated_16bit_state_dict(
             engine=self, exclude_frozen_parameters=exclude_frozen_parameters
         )
-        _answered(state, "consolidated_16bit_state_dict")
+        _answered(state, "engine.consolidated_16bit_state_dict", "zkit_consolidated_16bit_state_dict")
         return state if self.world_comm.rank == 0 else None
 
     #: DeepSpeed's name, which Accelerate and transformers call
@@ -637,15 +623,10 @@ class Engine(torch.nn.Module):
         load_module_only: bool = False,
     ) -> tuple[str | None, dict]:
         """Load with the checkpoint format that recognises ``load_dir`` (zkit's, DCP, DeepSpeed's
-        with the drop-in, or one a plugin registers: :mod:`zkit.core.checkpoint_formats`)."""
-        found = checkpoint_formats.for_load(self.pm, Path(load_dir), tag)
-        if found is None:
-            # DeepSpeed's answer: a warning and (None, None), so "resume if there is anything to
-            # resume" scripts start from scratch on their first run.
-            log.warning(
-                "no 'latest' file in %s: nothing loaded; pass tag= to load a specific checkpoint", load_dir
-            )
-            return None, None
+        with the drop-in, or one a plugin registers), the answer to ``zkit_checkpoint_format``.
+        Nothing to load (no tag, no ``latest`` file) is DeepSpeed's warning and ``(None, None)``."""
+        found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(load_dir), tag=tag, operation="load")
+        found = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format")
         with phases.phase("load_checkpoint"):
             return found.load(self, Path(load_dir), tag,
                               load_optimizer_states=load_optimizer_states and not load_module_only,
@@ -665,30 +646,24 @@ class Engine(torch.nn.Module):
     destroy = close
 
 
-_NO_OPTIMIZER = (
+#: what backward and step of an engine built without an optimizer say (its optimizer's step too)
+NO_OPTIMIZER = (
     'this engine was built without an optimizer (for inference or evaluation): to train, add "optimizer": '
     '{"type": ..., "params": {...}} to the config, choose one with zkit.Stack(optimizer=...), or pass optimizer= '
     "to zkit.initialize"
 )
 
 
-def _answered(result: Any, call: str) -> Any:
+def _answered(result: Any, where: str, hook: str, builtin: str = "zkit.checkpoint_formats") -> Any:
     """A ``firstresult`` hook's answer, refused when no plugin gave one (the built-in blocked)."""
     if result is None:
-        raise RuntimeError(f"engine.{call}: no plugin answers the hook zkit_{call.lstrip('_')} (the built-in "
-                           f"zkit.checkpoint_formats provides it: is it blocked?)")
+        raise RuntimeError(f"{where}: no plugin answers the hook {hook} (the built-in {builtin} provides it: is it "
+                           f"blocked?)")
     return result
 
 
-class _InferenceOnly(torch.optim.Optimizer):
-    """The optimizer of an engine built without one: it holds the parameter groups (schedules,
-    checkpoints and logs read them) and refuses to step."""
-
-    def __init__(self, params: Any, **_: Any) -> None:
-        super().__init__(params, {"lr": 0.0})
-
-    def step(self, closure: Any = None) -> None:
-        raise RuntimeError(_NO_OPTIMIZER)
+def _given(value: Any) -> str:
+    return "None" if value is None else type(value).__name__
 
 
 def broadcast_module(module: torch.nn.Module, group: Any = None, bucket_numel: int = 1 << 25) -> None:
@@ -735,32 +710,6 @@ def _entered(contexts: list[contextlib.AbstractContextManager]) -> Iterator[None
         yield
 
 
-def _rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
-    """A client LR scheduler built over the client optimizer, moved onto the optimizer the
-    engine trains (zkit rebuilds the client optimizer over its shards, so the scheduler would
-    otherwise change the learning rate of an optimizer nobody steps)."""
-    old = getattr(scheduler, "optimizer", None)
-    if old is None or old is optimizer:
-        return scheduler
-    if len(old.param_groups) != len(optimizer.param_groups):
-        raise ValueError(
-            f"lr_scheduler= schedules an optimizer with {len(old.param_groups)} parameter groups, but the engine's "
-            f"optimizer has {len(optimizer.param_groups)} (its groups come from model_parameters=); pass the same "
-            f"groups as model_parameters, or a callable optimizer -> scheduler"
-        )
-    for mine, theirs in zip(optimizer.param_groups, old.param_groups):
-        for key in ("lr", "initial_lr"):  # the schedule's current and base learning rates
-            if key in theirs:
-                mine[key] = theirs[key]
-    scheduler.optimizer = optimizer
-    # torch's check for "optimizer.step() overridden / called after the scheduler" looks at the
-    # first scheduler step only, for a wrapper the scheduler put on the old optimizer; the engine
-    # always steps the optimizer first, so that check is skipped rather than warning wrongly.
-    if getattr(scheduler, "_step_count", 0) == 1:
-        scheduler._step_count = 2
-    return scheduler
-
-
 def _to_half(value: Any) -> Any:
     """``fp16.auto_cast``: floating-point tensors inside the inputs cast to float16."""
     if torch.is_tensor(value):
@@ -784,35 +733,6 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def _constructor_defaults(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The client optimizer's hyper-parameters that its class's constructor takes: ``defaults``
-    may hold more (torch's AdamW keeps Adam's ``decoupled_weight_decay`` there but its
-    constructor does not accept it)."""
-    import inspect
-
-    params = inspect.signature(type(optimizer).__init__).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in params}
-
-
-def _adopt(client: torch.optim.Optimizer, built: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The client's optimizer object becomes ``built`` (the same class and options over the
-    partitioner's shards): the object the user holds, and every LR scheduler built on it, drive
-    what the engine trains, as DeepSpeed steps the client's optimizer itself. Accelerate, for
-    one, keeps a torch scheduler on the client optimizer without handing it to initialize. The
-    schedule's current and base learning rates carry over."""
-    for new, old in zip(built.param_groups, client.param_groups):
-        for key in ("lr", "initial_lr"):
-            if key in old:
-                new[key] = old[key]
-    # a scheduler's wrapper of the bound ``step`` (torch counts optimizer steps through it) stays
-    kept = {k: v for k, v in vars(client).items() if k == "step"}
-    vars(client).clear()
-    vars(client).update(vars(built), **kept)
-    return client
 
 
 def _param_groups(

@@ -136,7 +136,8 @@ def zkit_register_checkpoint_formats() -> Iterable[CheckpointFormatRecord]:
     writes. ``engine.load_checkpoint(path, tag)`` asks every format's ``detect(path, tag)`` (an
     installed plugin's before the built-ins') and loads with the first that answers; a directory
     no format recognises loads as zkit's own, whose errors name what is missing.
-    ``engine.save_checkpoint`` writes the ``"zkit"`` format; ``zkit consolidate`` reads a
+    ``engine.save_checkpoint`` writes the ``"zkit"`` format (both choices are the built-in answer
+    to :func:`zkit_checkpoint_format`); ``zkit consolidate`` reads a
     checkpoint through its format's ``pieces`` and writes ``--format NAME`` through that format's
     ``export``. Built in: ``"zkit"`` (load, save, pieces), ``"dcp"`` (PyTorch Distributed
     Checkpoint: load, export) and ``"hf"`` (a ``save_pretrained`` directory: export); the
@@ -180,6 +181,36 @@ def zkit_configure(config: ZkitConfig, device: torch.device | None) -> Stack | N
     is chosen on those (a plugin whose kernel runs on GPUs answers on ``cuda`` only and leaves
     other devices to the built-ins); ``None`` when the caller builds no engine
     (``zkit.zero.Init``). An implementation may leave the argument out."""
+
+
+@hookspec(firstresult=True)
+def zkit_client_optimizer(engine: Engine, optimizer: Any) -> OptimizerRecord | None:
+    """Turn the ``optimizer=`` given to :func:`zkit.initialize` into the
+    :class:`~zkit.core.records.OptimizerRecord` the partitioner builds over its shards. Called
+    once per engine, before the partitioner is built, when neither the config nor the stack
+    chooses an optimizer (a client optimizer wins over a config's section, with a warning, as in
+    DeepSpeed). ``optimizer`` is a torch optimizer instance (whose ``param_groups`` are the groups
+    partitioned), a callable ``param_groups -> optimizer``, or ``None``: then the engine is built
+    for inference or evaluation (``engine.inference_only``: backward and step refuse) and the
+    record's optimizer only holds the parameter groups.
+
+    The built-in answer (``trylast``, :mod:`zkit.optim.client`) rebuilds an instance's class and
+    constructor options over the shards and makes the client's object the built one, calls a
+    callable, and refuses anything else. Return ``None`` to leave it to the next plugin; no
+    answer at all is an error naming this hook. First non-None answer wins."""
+
+
+@hookspec(firstresult=True)
+def zkit_client_lr_scheduler(engine: Engine, lr_scheduler: Any) -> Any:
+    """Turn the ``lr_scheduler=`` given to :func:`zkit.initialize` into the schedule the engine
+    steps (``engine.lr_scheduler``; it has ``step()``, ``get_last_lr()``, ``state_dict()`` and
+    ``load_state_dict()``). Called once per engine, after ``engine.optimizer`` is built, when a
+    scheduler was given and neither the config nor the stack chooses one.
+
+    The built-in answer (``trylast``, :mod:`zkit.optim.client`) calls a callable ``optimizer ->
+    scheduler`` with ``engine.optimizer``, and moves a scheduler built over another optimizer
+    onto it (learning rates carried over). Return ``None`` to leave it to the next plugin; no
+    answer at all is an error naming this hook. First non-None answer wins."""
 
 
 @hookspec
@@ -324,6 +355,21 @@ def zkit_checkpoint_save(engine: Engine) -> dict[str, Any] | None:
 def zkit_checkpoint_load(engine: Engine, state: dict[str, Any]) -> None:
     """Restore what ``zkit_checkpoint_save`` stored. ``state`` maps each plugin's key to what it
     returned at save time (missing keys when the checkpoint was written without the plugin)."""
+
+
+@hookspec(firstresult=True)
+def zkit_checkpoint_format(
+    engine: Engine, path: Path, tag: str | None, operation: str
+) -> CheckpointFormatRecord | None:
+    """The checkpoint format (a :class:`~zkit.core.records.CheckpointFormatRecord` providing
+    ``operation``) that ``engine.save_checkpoint`` (``operation="save"``) or
+    ``engine.load_checkpoint`` (``"load"``) uses for the directory ``path`` and ``tag`` (``None``:
+    the one the save chooses, or the one the ``latest`` file names). The engine then calls the
+    record's ``save`` or ``load``. The built-in answer (``trylast``, :mod:`zkit.checkpoint.plugin`)
+    saves in ``"zkit"`` and loads with the first registered format whose ``detect(path, tag)``
+    recognises the directory, else ``"zkit"``, whose ``load`` warns and returns ``(None, None)``
+    when there is nothing to load (no tag, no ``latest`` file). Answer it to route a run's
+    checkpoints to a format of your own. First non-None answer wins."""
 
 
 @hookspec(firstresult=True)

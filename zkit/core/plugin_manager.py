@@ -168,7 +168,7 @@ class ZkitPluginManager(pluggy.PluginManager):
 
     def checkpoint_formats(self) -> dict[str, CheckpointFormatRecord]:
         """``{name: record}`` of every checkpoint format, installed plugins' before the built-ins'
-        (the order :mod:`zkit.core.checkpoint_formats` asks them to recognise a directory)."""
+        (the order :mod:`zkit.checkpoint.formats` asks them to recognise a directory)."""
         if self._formats is None:
             found: dict[str, CheckpointFormatRecord] = {}
             for dist, rec in self._call_each("zkit_register_checkpoint_formats"):
@@ -225,12 +225,13 @@ BUILTIN_PLUGINS = (
     ("zkit.schedules", "zkit.schedules.plugin"),
     ("zkit.partitioners", "zkit.zero.plugin"),
     ("zkit.attn_dense", "zkit.models.dense_attention"),
-    ("zkit.train_loop", "zkit.core.train_loop"),
+    ("zkit.train_loop", "zkit.train_loop.plugin"),
     ("zkit.checkpoint_formats", "zkit.checkpoint.plugin"),
     ("zkit.monitor", "zkit.monitor.plugin"),
     ("zkit.activations", "zkit.activations.plugin"),
     ("zkit.telemetry", "zkit.telemetry.plugin"),
     ("zkit.host_memory", "zkit.host_memory.plugin"),
+    ("zkit.deepspeed_only", "zkit.deepspeed_only.plugin"),
 )
 
 

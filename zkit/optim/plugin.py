@@ -1,5 +1,6 @@
 """zkit's built-in optimizers: ``adam``, ``adamw``, ``sgd`` (torch's own, in their fastest form)
-and ``lamb`` (:class:`zkit.optim.Lamb`).
+and ``lamb`` (:class:`zkit.optim.Lamb`), and the built-in answers for a client's ``optimizer=`` and
+``lr_scheduler=`` (:mod:`zkit.optim.client`).
 
 The config's ``optimizer.params`` keep DeepSpeed's names and meanings:
 
@@ -27,6 +28,7 @@ import torch
 
 import zkit
 from zkit.optim import params as check
+from zkit.optim.client import client_lr_scheduler, client_optimizer_record
 from zkit.optim.lamb import Lamb
 from zkit.core.records import OptimizerRecord
 
@@ -175,3 +177,13 @@ def zkit_register_optimizers():
         elementwise=False,
         description="LAMB with DeepSpeed FusedLamb semantics (per-parameter trust ratio)",
     )
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_client_optimizer(engine, optimizer):
+    return client_optimizer_record(optimizer)
+
+
+@zkit.hookimpl(trylast=True)
+def zkit_client_lr_scheduler(engine, lr_scheduler):
+    return client_lr_scheduler(lr_scheduler, engine.optimizer)

@@ -10,21 +10,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import zkit
+from zkit.testing import CountingBackend
 from pp_engine_ranks import STAGES, config, data, untied_layers
 from zkit_pipeline import PipelineModule
 
 STAGE = 1  # a partitioner that hooks backward; stages 0-2 compile alike (tests/test_compile.py)
-
-
-class CountingBackend:
-    """A ``torch.compile`` backend that counts the graphs it is given and runs them with ``inner``."""
-
-    def __init__(self, inner: str) -> None:
-        self.inner, self.graphs = inner, 0
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
-        self.graphs += 1
-        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
 
 def train(how: str, schedule: str) -> dict[str, Any]:

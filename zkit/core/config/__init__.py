@@ -5,12 +5,10 @@
 ``docs/config.md`` for every key and default.
 """
 from zkit.core.config.errors import ConfigError, NotImplementedConfigError
-from zkit.core.config.extras import AutotuningConfig, ElasticityConfig
 from zkit.core.config.load import load_config
 from zkit.core.config.plugin_keys import PLUGIN_KEYS
 from zkit.core.config.schema import ZkitConfig
 from zkit.core.config.sections import (
-    AmpConfig,
     BF16Config,
     DataTypesConfig,
     FP16Config,
@@ -19,12 +17,9 @@ from zkit.core.config.sections import (
 )
 
 __all__ = [
-    "AmpConfig",
-    "AutotuningConfig",
     "BF16Config",
     "ConfigError",
     "DataTypesConfig",
-    "ElasticityConfig",
     "FP16Config",
     "NotImplementedConfigError",
     "OptimizerConfig",

@@ -6,7 +6,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 
 from zkit.core.config.errors import ConfigError
-from zkit.core.config.extras import AutotuningConfig, ElasticityConfig
 from zkit.core.config.fields import (
     DTYPE_NAMES,
     above,
@@ -18,7 +17,6 @@ from zkit.core.config.fields import (
     setting,
 )
 from zkit.core.config.sections import (
-    AmpConfig,
     BF16Config,
     DataTypesConfig,
     FP16Config,
@@ -116,7 +114,6 @@ class ZkitConfig:
     )
     fp16: FP16Config = _section(FP16Config, "float16 mixed precision.")
     bf16: BF16Config = _section(BF16Config, "bfloat16 mixed precision (old name: bfloat16).")
-    amp: AmpConfig = _section(AmpConfig, "Apex AMP.")
     data_types: DataTypesConfig = _section(DataTypesConfig, "Internal buffer dtypes.")
     optimizer: OptimizerConfig | None = setting(None, doc="The optimizer (null: pass one in).")
     scheduler: SchedulerConfig | None = setting(None, doc="The LR schedule (null: none).")
@@ -131,8 +128,6 @@ class ZkitConfig:
         doc="With optimizer offload, require the CPU optimizer of zkit-offload.",
         hint="with offload_optimizer, zkit-offload always steps its own CPU optimizer",
     )
-    elasticity: ElasticityConfig = _section(ElasticityConfig, "Elastic batch sizes.")
-    autotuning: AutotuningConfig = _section(AutotuningConfig, "Autotuner.")
     compression_training: dict | None = setting(
         None,
         unimplemented=lambda v: v is not None,

@@ -1,5 +1,4 @@
 """Training sections: precision, optimizer, LR schedule."""
-from typing import ClassVar
 
 import attrs
 
@@ -45,19 +44,6 @@ class BF16Config:
 
 
 @attrs.frozen(kw_only=True)
-class AmpConfig:
-    """NVIDIA Apex AMP. Every key besides ``enabled`` is an ``amp.initialize`` argument."""
-
-    #: keys other than ``enabled`` are collected into this field (they are Apex's arguments)
-    extra_keys_into: ClassVar[str] = "options"
-
-    enabled: bool = setting(False, unimplemented=True, doc="Use Apex AMP.")
-    options: dict = setting(
-        attrs.Factory(dict), default_doc="{}", doc="Other keys: arguments of amp.initialize."
-    )
-
-
-@attrs.frozen(kw_only=True)
 class OptimizerConfig:
     """``{"type": name, "params": {...}}``. ``type`` selects an optimizer record
     (case-insensitive); ``params`` are checked by that optimizer's factory."""
@@ -91,7 +77,6 @@ class DataTypesConfig:
 
 
 __all__ = [
-    "AmpConfig",
     "BF16Config",
     "DataTypesConfig",
     "FP16Config",

@@ -3,9 +3,10 @@
 Checkpoint formats are records of the ``zkit_register_checkpoint_formats`` hook
 (:class:`zkit.core.records.CheckpointFormatRecord`): zkit's own (``"zkit"``), PyTorch Distributed
 Checkpoint (``"dcp"``) and Hugging Face's ``save_pretrained`` (``"hf"``) are built in; the
-``deepspeed`` drop-in adds ``"deepspeed"``. ``engine.load_checkpoint``, ``engine.save_checkpoint``,
-:func:`zkit.checkpoint.consolidate` and ``zkit consolidate --format NAME`` reach a format only
-through here, so a format a plugin registers is used by all of them.
+``deepspeed`` drop-in adds ``"deepspeed"``. :func:`zkit.checkpoint.consolidate` and ``zkit
+consolidate --format NAME`` reach a format through here, and so do ``engine.load_checkpoint`` and
+``engine.save_checkpoint``, through the built-in answer to the ``zkit_checkpoint_format`` hook
+(:mod:`zkit.checkpoint.plugin`); so a format a plugin registers is used by all of them.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Callable
 import attrs
 
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.core.checkpoint_tags import LATEST, resolve_tag, tag_directory
+from zkit.core.checkpoint_tags import resolve_tag, tag_directory
 from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
 from zkit.core.records import CheckpointFormatRecord
 
@@ -90,15 +91,14 @@ def detect(pm: ZkitPluginManager | None, path: Path, tag: str | None, op: str) -
     return None
 
 
-def for_load(pm: ZkitPluginManager | None, path: Path, tag: str | None) -> CheckpointFormatRecord | None:
-    """The format ``engine.load_checkpoint(path, tag)`` loads with; ``None`` when there is nothing
-    to load (no tag, no ``latest`` file and no format recognises the directory)."""
+def for_load(pm: ZkitPluginManager | None, path: Path, tag: str | None) -> CheckpointFormatRecord:
+    """The format ``engine.load_checkpoint(path, tag)`` loads with: the first that recognises the
+    directory, else the native one (whose ``load`` warns and loads nothing when there is nothing to
+    load: no tag and no ``latest`` file)."""
     found = detect(pm, path, tag, "load")
     if found is not None:
         return found
-    if tag is None and not (path / LATEST).is_file():
-        return None
-    where = tag_directory(path, tag)
+    where = tag_directory(path, tag)  # None without a tag and a ``latest`` file
     if where is not None:
         refuse_unreadable(where)
     return named(pm, NATIVE)

@@ -1,7 +1,25 @@
-"""Sections zkit reads but whose features it does not run yet: elasticity, autotuning."""
+"""DeepSpeed's sections for features zkit does not have: ``amp`` (NVIDIA Apex), ``elasticity`` and
+``autotuning``. A DeepSpeed config names them with the feature off, so they are read and validated
+like any section; turning one on is refused at initialize, naming the key. Registered by
+:mod:`zkit.deepspeed_only.plugin`."""
+from typing import ClassVar
+
 import attrs
 
 from zkit.core.config.fields import at_least, each, one_of, setting
+
+
+@attrs.frozen(kw_only=True)
+class AmpConfig:
+    """NVIDIA Apex AMP. Every key besides ``enabled`` is an ``amp.initialize`` argument."""
+
+    #: keys other than ``enabled`` are collected into this field (they are Apex's arguments)
+    extra_keys_into: ClassVar[str] = "options"
+
+    enabled: bool = setting(False, unimplemented=True, doc="Use Apex AMP.")
+    options: dict = setting(
+        attrs.Factory(dict), default_doc="{}", doc="Other keys: arguments of amp.initialize."
+    )
 
 
 @attrs.frozen(kw_only=True)
