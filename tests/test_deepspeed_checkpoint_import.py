@@ -372,3 +372,26 @@ def test_a_deepspeed_bf16_checkpoint_without_zero_is_refused(tmp_path):
                where / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
     with pytest.raises(CheckpointError, match="bf16 optimizer without ZeRO .stage 0., whose files do not record"):
         DeepSpeedCheckpoint(where)
+
+
+def test_an_unsplit_deepspeed_checkpoint_into_a_split_model_is_refused_saying_why(tmp_path):
+    """A pipeline stage has layer names, yet an unsplit run's checkpoint cannot map onto them: the
+    error says so instead of claiming the model has no layer names."""
+    pytest.importorskip("zkit_deepspeed")
+    from types import SimpleNamespace
+
+    from zkit.core.checkpoint_errors import CheckpointError
+    from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
+    from zkit_deepspeed.checkpoint.load import _as_held_here
+
+    class Stage(torch.nn.Module):  # what a pipeline stage shows the loader: its part and layer names
+        model_parallel_part = ("pp_rank_00", {"stages": 2})
+
+        def layer_names(self):
+            return {"0.weight": "0.weight"}
+
+    engine = SimpleNamespace(module=Stage())
+    with pytest.raises(CheckpointError) as err:
+        _as_held_here(engine, object.__new__(DeepSpeedCheckpoint), tmp_path)
+    assert "a DeepSpeed checkpoint of an unsplit model loads only into an unsplit model" in str(err.value)
+    assert "pipeline or tensor-parallel" in str(err.value) and "no layer_names()" not in str(err.value)

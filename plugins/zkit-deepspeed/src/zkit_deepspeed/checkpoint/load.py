@@ -94,11 +94,16 @@ def _as_held_here(
     split = model_part(engine.module) is not None
     if isinstance(ckpt, DeepSpeedPipelineCheckpoint) and isinstance(engine.module, LayerNamed):
         return StageView(ckpt, engine.module.layer_names())
-    if split:
-        what = "a pipeline checkpoint" if isinstance(ckpt, DeepSpeedPipelineCheckpoint) else "a DeepSpeed checkpoint of an unsplit model"
+    if split and isinstance(ckpt, DeepSpeedPipelineCheckpoint):
         raise CheckpointError(
-            f"{where}: {what} cannot be loaded into a model split over pipeline or tensor-parallel ranks "
-            f"whose parameters have no layer names ({type(engine.module).__name__} has no layer_names())"
+            f"{where}: a pipeline checkpoint cannot be loaded into a model split over pipeline or tensor-parallel "
+            f"ranks whose parameters have no layer names ({type(engine.module).__name__} has no layer_names())"
+        )
+    if split:
+        raise CheckpointError(
+            f"{where}: a DeepSpeed checkpoint of an unsplit model loads only into an unsplit model, not into one "
+            f"split over pipeline or tensor-parallel ranks ({type(engine.module).__name__}): its parameter names "
+            f"say nothing of which layer each rank holds"
         )
     return ckpt
 
