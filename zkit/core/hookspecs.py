@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
 
     import torch
 
+    from zkit.core.assembly import Assembly
     from zkit.core.config import ZkitConfig
     from zkit.core.engine import Engine
     from zkit.core.records import (
@@ -229,6 +230,14 @@ def zkit_prepare_model(model: torch.nn.Module, stage: int, world_size: int) -> N
     :func:`zkit.initialize` makes it fit the chosen stack here: the built-in ZeRO plugin gathers
     the units :class:`zkit.zero.Init` partitioned that this partitioner would not keep as they
     are."""
+
+
+@hookspec
+def zkit_model_built_partitioned(assembly: Assembly) -> None:
+    """Called when a context that builds a model partitioned before any engine exists
+    (:class:`zkit.zero.Init`) exits, with the :class:`~zkit.core.assembly.Assembly` it took its
+    communicator and allocator from. Each module's full tensors were freed as it was partitioned:
+    the built-in ``zkit.host_memory`` hands that memory back to the system here."""
 
 
 @hookspec(firstresult=True)

@@ -24,6 +24,11 @@ def zkit_engine_setup(engine: Any) -> None:
     malloc_policy.trim()  # what building and partitioning the model freed
 
 
+@zkit.hookimpl
+def zkit_model_built_partitioned(assembly: Any) -> None:
+    malloc_policy.trim()  # each module's full tensors, freed as zkit.zero.Init partitioned it
+
+
 def host_state_bytes(engine: Any) -> int:
     """The rank's model states in host memory: all of them on a CPU device, none on an
     accelerator (the offload allocators manage their own host memory)."""

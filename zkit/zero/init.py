@@ -28,7 +28,6 @@ from zkit.core import distributed
 from zkit.core.assembly import Assembly
 from zkit.core.config import ZkitConfig
 from zkit.core.config.load import _read_json
-from zkit.host_memory import plugin as host_memory_plugin, trim
 from zkit.zero.config import zero_config
 from zkit.zero.flat import plan_units
 from zkit.zero.memory_param_store import IN_MEMORY
@@ -170,8 +169,8 @@ class Init:
             else:
                 setattr(cls, name, original)
         self._patched = []
-        if hasattr(self, "assembly") and self.assembly.pm.is_registered(host_memory_plugin):
-            trim()  # each module's full tensors, freed as it was partitioned
+        if self.enabled:
+            self.assembly.pm.hook.zkit_model_built_partitioned(assembly=self.assembly)
 
 
 def _without_placeholders(config: Any) -> Any:
