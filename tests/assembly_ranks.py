@@ -24,7 +24,13 @@ class CountingCommunicator(TorchCommunicator):
     def __init__(self, group: Any = None, config: Any = None) -> None:
         super().__init__(group, config)
         self.asked_group = group
+        #: broadcasts issued through this object, whatever its stats were reset to since
+        self.broadcasts = 0
         MADE.append(self)
+
+    def broadcast(self, tensor, src, async_op=False):
+        self.broadcasts += 1
+        return super().broadcast(tensor, src, async_op)
 
 
 class CountingPlugin:
@@ -70,6 +76,20 @@ def zero_and_init() -> dict[str, Any]:
     engine, *_ = zkit.initialize(model=model, config=_config(3), stack=STACK)
     _step(engine, torch.randn(2, 8))
     out["engine"] = _calls({})
+    engine.close()
+    return out
+
+
+def setup_broadcast() -> dict[str, Any]:
+    """initialize's broadcast of rank 0's weights (ranks seeded differently) goes through the
+    chosen communicator and is left out of the step statistics."""
+    torch.manual_seed(dist.get_rank())
+    engine, *_ = zkit.initialize(model=nn.Linear(8, 8), config=_config(1), stack=STACK)
+    weights = [torch.zeros_like(engine.module.weight) for _ in range(2)]
+    dist.all_gather(weights, engine.module.weight.detach())
+    out = {"broadcasts": sum(c.broadcasts for c in MADE), "stats": engine.comm_stats(),
+           "same": bool(torch.equal(weights[0], weights[1]))}
+    MADE.clear()
     engine.close()
     return out
 
@@ -122,7 +142,7 @@ def tensor_parallel() -> dict[str, Any]:
 
 
 def everywhere() -> dict[str, Any]:
-    return {"zero": zero_and_init(), "activations": activations(), "pipeline": pipeline(),
+    return {"zero": zero_and_init(), "setup": setup_broadcast(), "activations": activations(), "pipeline": pipeline(),
             "tensor": tensor_parallel()}
 
 

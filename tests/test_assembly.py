@@ -1,5 +1,5 @@
 """The assembly hands every part of a job its communicator: one registered by a third party and
-chosen by the stack carries ZeRO's collectives, zero.Init's broadcasts, activation partitioning
+chosen by the stack carries ZeRO's collectives, zero.Init's and initialize's broadcasts, activation partitioning
 and zkit-pipeline's transfers, tied sums, grid norm and tensor-parallel layers."""
 from __future__ import annotations
 
@@ -23,6 +23,12 @@ def test_zero_and_init_use_the_registered_communicator(calls):
         assert rank["zero"]["init"]["world"]["broadcast"] > 0
         engine = rank["zero"]["engine"]["world"]
         assert engine["all_gather"] > 0 and engine["reduce_scatter"] > 0
+
+
+def test_initialize_broadcasts_rank_0s_weights_through_the_registered_communicator(calls):
+    for rank in calls:
+        assert rank["setup"]["broadcasts"] > 0 and rank["setup"]["same"]
+        assert "broadcast" not in rank["setup"]["stats"]  # set-up traffic: comm_stats counts training's
 
 
 def test_activation_partitioning_uses_the_engine_communicator(calls):

@@ -22,6 +22,7 @@ import torch
 
 from zkit.core import distributed, phases
 from zkit.core.assembly import Assembly
+from zkit.core.communicator import Communicator
 from zkit.core.compile import compile_in_place, compile_module, is_compiled, unwrap_compiled
 from zkit.core.config import ZkitConfig, load_config
 from zkit.core.microstep import MicroStep
@@ -133,7 +134,10 @@ class Engine(torch.nn.Module):
         self.rank, self.world_size = self.comm.rank, self.comm.world_size
         # Ranks that built the model from different seeds must still train one model (as DDP and
         # DeepSpeed do): rank 0 of the data-parallel group's values win.
-        broadcast_module(self.module, dp_group)
+        src = torch.distributed.get_process_group_ranks(dp_group)[0] if dp_group is not None else 0
+        setup_comm = self.assembly.communicator(dp_group)  # a third party's too, when chosen
+        broadcast_module(self.module, setup_comm, src)
+        setup_comm.reset_stats()  # the first traffic of a new assembly: comm_stats() counts training's
 
         #: built without an optimizer: forward and eval only (backward/step say so)
         self.inference_only = False
@@ -666,14 +670,12 @@ def _given(value: Any) -> str:
     return "None" if value is None else type(value).__name__
 
 
-def broadcast_module(module: torch.nn.Module, group: Any = None, bucket_numel: int = 1 << 25) -> None:
-    """Copy the parameters and buffers of the group's first rank to its other ranks, a bucket of
-    same-dtype tensors per collective. ZeRO-3 parameters built partitioned (``zkit.zero.Init``) are
-    already one model and are left alone. One-time set-up traffic: not in ``engine.comm_stats()``."""
-    dist = torch.distributed
-    if dist.get_world_size(group) == 1:
+def broadcast_module(module: torch.nn.Module, comm: Communicator, src: int, bucket_numel: int = 1 << 25) -> None:
+    """Copy the parameters and buffers of global rank ``src`` to the other ranks of ``comm``'s group,
+    a bucket of same-dtype tensors per broadcast. ZeRO-3 parameters built partitioned
+    (``zkit.zero.Init``) are already one model and are left alone."""
+    if comm.world_size == 1:
         return
-    src = dist.get_process_group_ranks(group)[0] if group is not None else 0
     tensors = [p.data for p in module.parameters() if not built_partitioned(p)]
     tensors += [b for b in module.buffers()]
     by_dtype: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -687,7 +689,7 @@ def broadcast_module(module: torch.nn.Module, group: Any = None, bucket_numel: i
                 bucket.append(t)
                 continue
             flat = torch.cat([b.reshape(-1) for b in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
-            dist.broadcast(flat, src=src, group=group)
+            comm.broadcast(flat, src=src)
             offset = 0
             for b in bucket:
                 b.copy_(flat[offset : offset + b.numel()].view_as(b))
