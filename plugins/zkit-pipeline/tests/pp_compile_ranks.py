@@ -17,11 +17,14 @@ from zkit_pipeline import PipelineModule
 STAGE = 1  # a partitioner that hooks backward; stages 0-2 compile alike (tests/test_compile.py)
 
 
-def train(how: str, schedule: str) -> dict[str, Any]:
-    """``how``: ``"eager"``, ``"engine.compile"`` or ``"torch.compile(model)"``."""
+def train(how: str, schedule: str, checkpoint_interval: int = 0) -> dict[str, Any]:
+    """``how``: ``"eager"``, ``"engine.compile"`` or ``"torch.compile(model)"``; a
+    ``checkpoint_interval`` recomputes each run of that many layers in backward (zkit's checkpoint,
+    traced by Dynamo inside the compiled chunk)."""
     torch._dynamo.reset()
     module = PipelineModule(untied_layers(), STAGES, F.mse_loss, partition_method="uniform", schedule=schedule,
-                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1)
+                            virtual_stages=2 if schedule == "interleaved_1f1b" else 1,
+                            activation_checkpoint_interval=checkpoint_interval)
     backend = CountingBackend("aot_eager")
     model = torch.compile(module, backend=backend) if how == "torch.compile(model)" else module
     engine, *_ = zkit.initialize(model=model, config=config(STAGE))
@@ -36,13 +39,15 @@ def train(how: str, schedule: str) -> dict[str, Any]:
     return out
 
 
-#: (how, schedule) pairs compiled, each compared with the eager run of its schedule
-COMPILED = [("engine.compile", "1f1b"), ("torch.compile(model)", "interleaved_1f1b")]
+#: (how, schedule, activation checkpoint interval) compiled, each compared with the eager run of
+#: its schedule and interval
+COMPILED = [("engine.compile", "1f1b", 0), ("torch.compile(model)", "interleaved_1f1b", 0),
+            ("engine.compile", "1f1b", 1)]
 
 
 def compare() -> dict[str, Any]:
     runs = {}
-    for how, schedule in COMPILED:
-        runs[("eager", schedule)] = train("eager", schedule)
-        runs[(how, schedule)] = train(how, schedule)
+    for how, schedule, interval in COMPILED:
+        runs[("eager", schedule, interval)] = train("eager", schedule, interval)
+        runs[(how, schedule, interval)] = train(how, schedule, interval)
     return {"rank": dist.get_rank(), "runs": runs}
