@@ -36,6 +36,7 @@ NAMED = [
     ("zero3", "dcp_checkpoint", "scheduler"),  # loaded a DCP checkpoint and restarted the schedule
     ("grad_accum", "custom_comm", "tensor_parallel"),
     ("clipping", "pipeline", "tied_weights"),  # the pipeline's head was not tied to its embedding
+    ("fp16", "grad_accum", "tied_weights"),  # one rounding-decided Adam step (fuzz.rounding_decided), no defect
 ]
 DRAWN_SEED, DRAWN = 0, 12
 SETS = list(dict.fromkeys([*(fuzz.canonical(s) for s in NAMED), *composition_fuzz.draw(DRAWN, DRAWN_SEED)]))
@@ -102,6 +103,35 @@ def test_verdict_names_what_went_wrong():
     assert "checkpoint refused without naming" in composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": "E: no"}})
     said = "CheckpointError: a DCP checkpoint ... not the LR scheduler's state (load_lr_scheduler_states=False ...)"
     assert composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": said}}) is None
+
+
+def test_a_few_rounding_decided_elements_pass_in_fp16_sets_that_reorder_sums():
+    """fp16 accumulated (or otherwise reordered) under Adam: up to 1% of the elements may be a few
+    Adam steps off (composition_fuzz_model.rounding_decided); more of them, a larger gap, another
+    optimizer or an unchanged order fail as before."""
+    import torch
+
+    def params(moved: int, by: float) -> dict:
+        w = torch.ones(1000)
+        w[:moved] += by
+        return {"layers.0.weight": w}
+
+    accum, ref = ("fp16", "grad_accum", "tied_weights"), ("fp16", "tied_weights")
+
+    def judged(features, moved, by, reference=ref):
+        return composition_fuzz.verdict(features, {features: {"params": params(moved, by), "missing": []},
+                                                   reference: {"params": params(0, 0.0), "missing": []}})
+
+    assert judged(accum, 1, 0.0095) is None  # what fp16 x grad_accum x tied_weights showed
+    assert judged(accum, 10, 0.02) is None
+    assert judged(accum, 11, 0.0095).endswith(
+        "11 elements beyond it (at most 10 may be rounding-decided), the largest layers.0.weight by 0.0095 "
+        "(at most 0.0606)")
+    assert "the largest layers.0.weight by 0.1 (at most 0.0606)" in judged(accum, 1, 0.1)
+    assert judged(("zero1", "fp16", "tied_weights"), 1, 0.0095).endswith("by 0.0095 (tolerance 0.002)")
+    lamb = ("fp16", "grad_accum", "lamb")
+    assert judged(lamb, 1, 0.0095, reference=("fp16", "lamb")).endswith("by 0.0095 (tolerance 0.002)")
+    assert judged(accum, 1, float("nan")) == "parameter layers.0.weight is not finite"
 
 
 def test_a_pair_refused_at_one_stage_is_refused_at_that_stage_only():
