@@ -6,7 +6,8 @@
 * :mod:`~zkit.activations.rng`: extra RNG streams restored for recomputation;
 * :mod:`~zkit.activations.policy`: wrapping a model's blocks by policy, and undoing it.
 """
-from zkit.activations.policy import CheckpointWrapper, apply, remove, select_blocks
+from zkit.activations.checkpointing import apply
+from zkit.activations.policy import CheckpointWrapper, remove, select_blocks
 from zkit.activations.settings import CheckpointSettings
 
 __all__ = ["CheckpointSettings", "CheckpointWrapper", "apply", "remove", "select_blocks"]

@@ -24,7 +24,7 @@ import attrs
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from zkit.activations.policy import CheckpointWrapper, apply, remove, select_blocks
+from zkit.activations.policy import CheckpointWrapper, Policy, remove, select_blocks, wrap
 from zkit.activations.rng import TrackerStates, register_rng_tracker
 from zkit.activations.settings import CheckpointSettings, as_communicator, assembly_of, section_from
 from zkit.activations.storage import InputStore
@@ -203,6 +203,14 @@ def _store_for(group: Any) -> InputStore:
 def _sync(settings: CheckpointSettings) -> None:
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def apply(model: torch.nn.Module, policy: Policy = "every", **options: Any) -> list[str]:
+    """Checkpoint the blocks ``policy`` selects (:mod:`zkit.activations.policy`); returns their
+    qualified names. ``options`` are passed to every :func:`checkpoint` call (``use_reentrant``,
+    ``preserve_rng_state``, ``group``). Raises if the policy selects nothing or a selected block is
+    already checkpointed; :func:`remove` undoes it."""
+    return wrap(model, policy, checkpoint_call, **options)
 
 
 def checkpoint_call(

@@ -1,7 +1,8 @@
 """Checkpoint a model's blocks by policy, without editing the model, and undo it.
 
 A selected module's class is swapped for a subclass whose ``__call__`` runs the original call
-(forward *and* the module's hooks) inside :func:`zkit.activations.checkpointing.checkpoint`. Parameter names,
+(forward *and* the module's hooks) through a runner: :func:`zkit.activations.checkpointing.apply`
+passes zkit's checkpoint. Parameter names,
 ``state_dict`` keys and ``isinstance`` checks are unchanged, and hooks that fetch parameters
 (ZeRO stage 3) run again when the block is recomputed. :func:`remove` restores the classes.
 
@@ -24,6 +25,8 @@ import torch
 from torch import nn
 
 Policy = Union[str, type, tuple, Callable[[str, nn.Module], bool]]
+#: ``runner(call, args, kwargs, *, name, **options)`` runs a wrapped block's call, checkpointed
+Runner = Callable[..., Any]
 
 _POLICY_FORMS = "'every', 'every_k:K', 'type:ClassName', a module class, or a callable (name, module) -> bool"
 _subclasses: dict[type, type] = {}
@@ -31,16 +34,15 @@ _subclasses: dict[type, type] = {}
 
 class CheckpointWrapper:
     """Mixin of the swapped-in classes: ``isinstance(m, CheckpointWrapper)`` tells a wrapped block.
-    ``m.checkpoint_options`` holds the keyword options given to :func:`apply`."""
+    ``m.checkpoint_options`` holds the keyword options given to :func:`wrap`."""
 
     checkpoint_options: dict[str, Any]
     checkpoint_name: str
+    checkpoint_runner: Runner
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from zkit.activations.checkpointing import checkpoint_call
-
         call = super().__call__  # type: ignore[misc]  # nn.Module.__call__: hooks + forward
-        return checkpoint_call(call, args, kwargs, name=self.checkpoint_name, **self.checkpoint_options)
+        return self.checkpoint_runner(call, args, kwargs, name=self.checkpoint_name, **self.checkpoint_options)
 
 
 def _wrapped_class(cls: type) -> type:
@@ -101,10 +103,10 @@ def select_blocks(model: nn.Module, policy: Policy) -> list[tuple[str, nn.Module
     return chosen
 
 
-def apply(model: nn.Module, policy: Policy = "every", **options: Any) -> list[str]:
-    """Checkpoint the blocks ``policy`` selects; returns their qualified names.
+def wrap(model: nn.Module, policy: Policy, runner: Runner, **options: Any) -> list[str]:
+    """Run the blocks ``policy`` selects through ``runner``; returns their qualified names.
 
-    ``options`` are passed to every :func:`zkit.activations.checkpointing.checkpoint` call (``use_reentrant``,
+    ``options`` are passed to every ``runner`` call (zkit's checkpoint: ``use_reentrant``,
     ``preserve_rng_state``, ``group``). Raises if the policy selects nothing or a selected block is
     already checkpointed."""
     if not isinstance(model, nn.Module):
@@ -121,16 +123,17 @@ def apply(model: nn.Module, policy: Policy = "every", **options: Any) -> list[st
         module.__class__ = _wrapped_class(type(module))
         module.checkpoint_options = dict(options)
         module.checkpoint_name = name
+        module.checkpoint_runner = runner
     return [name for name, _ in chosen]
 
 
 def remove(model: nn.Module) -> list[str]:
-    """Undo :func:`apply` on every wrapped module of ``model``; returns their names."""
+    """Undo :func:`wrap` on every wrapped module of ``model``; returns their names."""
     undone = []
     for name, module in model.named_modules():
         if isinstance(module, CheckpointWrapper):
             module.__class__ = type(module)._zkit_original_class  # type: ignore[attr-defined]
-            del module.checkpoint_options, module.checkpoint_name
+            del module.checkpoint_options, module.checkpoint_name, module.checkpoint_runner
             undone.append(name or type(model).__name__)
     return undone
 
