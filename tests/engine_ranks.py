@@ -286,7 +286,9 @@ def diverged_collectives() -> str:
 def rank_skips_collectives() -> str:
     """Rank 1 stops taking part (stuck in its own computation); rank 0's backward reduction
     ends at the timeout with a report instead of hanging."""
-    import time
+    from datetime import timedelta
+
+    from torch.distributed.distributed_c10d import _get_default_store
 
     from zkit.torch_distributed import diagnostics
 
@@ -294,13 +296,18 @@ def rank_skips_collectives() -> str:
     cfg = config(0, "fp32", 1, world, comms_timeout_s=3.0)
     engine, *_ = zkit.initialize(model=make_model(), config=cfg)
     train_engine(engine, 1, 1, world)
+    store = _get_default_store()
     if engine.rank == 1:
-        time.sleep(12)
+        # Out of every collective (a blocking store wait is no collective) until rank 0 has its
+        # report: leaving earlier would close the group and fail rank 0 for another reason.
+        store.wait(["rank 0 reported"], timedelta(seconds=60))
         return "rank 1 slept"
     try:
         train_engine(engine, 1, 1, world, start=1)
     except diagnostics.CollectiveFailed as exc:
         return str(exc)
+    finally:
+        store.set("rank 0 reported", "1")
     return "no error"
 
 
