@@ -317,12 +317,12 @@ def fuzzer_section() -> list[str]:
         "2-rank features and those below), runs each with its reference in one 2-rank process group and",
         "holds it to the same rule: it equals its reference, with every feature's trace present, or",
         "`initialize` refuses it naming one of its refused pairs (or its checkpoint is refused naming one",
-        "of its pairs refused at checkpoint). One allowance: an fp16 set under an Adam optimizer whose",
+        "of its pairs refused at checkpoint). One allowance: an fp16 or bf16 set under an Adam optimizer whose",
         "gradients are summed in another order than its reference's",
         "(" + ", ".join(f"`{f}`" for f in fuzz.REORDERS_FP16_SUMS) + ") may have up to",
         f"{fuzz.ROUNDING_DECIDED_SHARE:.0%} of its elements beyond the tolerance, each by at most two Adam steps per "
         "step: Adam turns",
-        "a gradient within fp16's rounding of zero into a whole step of either sign, which the order of the",
+        "a gradient within the half type's rounding of zero into a whole step of either sign, which the order of the",
         "sums decides (the real DeepSpeed's fp16 runs of 1 and 2 micro-batches differ the same way).",
         "`python tests/composition_fuzz.py",
         "--examples N [--seed S]` prints each failure shrunk to a minimal set of features;",
@@ -332,11 +332,13 @@ def fuzzer_section() -> list[str]:
     lines += [f"| `{n}` | {d} |" for n, d in fuzz.EXTRA.items()]
     lines += ["", "Refused beyond the matrix's pairs:", ""]
     lines += [f"- `{a}` × `{b}`: {why}" for (a, b), (why, _) in fuzz.REFUSED.items() if (a, b) not in REFUSED]
+    lines += [f"- {' × '.join(f'`{f}`' for f in refused)} at ZeRO stage {' or '.join(map(str, stages))}: {why}"
+              for refused, (stages, why, _) in fuzz.REFUSED_SETS.items()]
     lines += [f"- `{a}` × `{b}` (at checkpoint): {why}" for (a, b), (why, _) in fuzz.REFUSED_AT_CHECKPOINT.items()
               if (a, b) not in REFUSED_AT_CHECKPOINT]
-    lines += [f"- `{a}` × `{b}` at ZeRO stage {stage} (given, or the offload's default; a `reshard` that loads "
-              f"at it is refused at the load): {why}"
-              for (a, b), (stage, why, _) in fuzz.REFUSED_AT_STAGE.items()]
+    lines += [f"- `{a}` × `{b}` at ZeRO stage {' or '.join(map(str, stages))} (given, or the offload's default; a "
+              f"`reshard` that loads at it is refused at the load): {why}"
+              for (a, b), (stages, why, _) in fuzz.REFUSED_AT_STAGE.items()]
     lines += ["", "Never drawn together: two values of one setting (the pairs marked —, two optimizers of the",
               "config, two checkpoint features)" + (", the pairs marked †" if ELSEWHERE else "")
               + ", and what a 2-rank harness cannot run: "

@@ -95,6 +95,8 @@ def run(sets: list[tuple[str, ...]], root: str) -> dict[tuple[str, ...], dict]:
             # both ranks finished stands, that set failed, the rest runs in a new group
             done = [_load(partial.format(rank=r)) for r in range(2)]
             finished = min(len(d) for d in done)
+            if finished == len(cells):  # not a set's doing: the group died as it left
+                raise RuntimeError(f"every set finished, then a rank died: {exc}") from exc
             results.update({s: done[0][s] for s in cells[:finished]})
             results[cells[finished]] = {"crashed": "the ranks did not both finish it: " + str(exc)[-2000:]}
             cells = cells[finished + 1:]

@@ -48,12 +48,24 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
                                 "the stages cannot gather them back",
                                 ("zkit.zero.init", "pipeline")),
 }
-#: pairs initialize refuses at one ZeRO stage only (the stage a set runs at: given, or an offload's
-#: default): the stage, why, and the words its error must contain
-REFUSED_AT_STAGE: dict[tuple[str, str], tuple[int, str, tuple[str, ...]]] = {
-    ("pipeline", "tied_weights"): (2, "stage 2 frees each gradient into its shard during backward, before the "
-                                      "tied embedding's gradients are summed over the stages",
+#: pairs initialize refuses at some ZeRO stages only (the stage a set runs at: given, or an offload's
+#: default): those stages, why, and the words its error must contain
+REFUSED_AT_STAGE: dict[tuple[str, str], tuple[tuple[int, ...], str, tuple[str, ...]]] = {
+    ("pipeline", "tied_weights"): ((2,), "stage 2 frees each gradient into its shard during backward, before the "
+                                         "tied embedding's gradients are summed over the stages",
                                    ("zero stage 2", "tiedlayerspec", "pipeline")),
+    ("onebit_adam", "custom_comm"): ((1, 2), "OneBitAdam at stages 1 and 2 reduces its gradients through the "
+                                             "'onebit' communicator, which it compresses at the freeze step",
+                                     ("onebitadam", "'onebit' communicator", "zkit.stack(communicator=...)")),
+}
+#: sets of more than two features initialize refuses at some ZeRO stages (no pair of them is refused):
+#: those stages, why, and the words its error must contain
+REFUSED_SETS: dict[tuple[str, ...], tuple[tuple[int, ...], str, tuple[str, ...]]] = {
+    (need, "nvme_offload", "tensor_parallel"): (
+        (2, 3), "the global gradient norm (clipping, fp16's overflow check) of a tensor-parallel model weighs its "
+                "replicated parameters by their reduced gradients, which NVMe offload keeps in its master store "
+                "from stage 2 on", ("global gradient norm", "offload_optimizer.device 'nvme'"))
+    for need in ("clipping", "fp16")
 }
 #: pairs whose checkpoint round trip is refused (at the save or the load) beyond the matrix's
 REFUSED_AT_CHECKPOINT: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
@@ -102,14 +114,24 @@ def _stage(features: tuple[str, ...]) -> Any:
     return matrix.config(tuple(f for f in features if f in matrix.FEATURES), "")["zero_optimization"]["stage"]
 
 
+def _in_force(features: tuple[str, ...]) -> tuple[str, ...]:
+    """The features whose settings a run uses: a client optimizer wins over the config's optimizer
+    section (as in DeepSpeed), so that section's pairs are neither refused nor run."""
+    return tuple(f for f in features if f not in OPTIMIZERS) if "client_sgd" in features else features
+
+
 def refused_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
     """The pairs of ``features`` initialize must refuse (those refused at one stage when the set runs at it)."""
     stage = _stage(features)
-    return [pair for pair in itertools.combinations(features, 2) if pair in REFUSED or pair[::-1] in REFUSED
-            or REFUSED_AT_STAGE.get(pair, (None,))[0] == stage]
+    return [pair for pair in itertools.combinations(_in_force(features), 2) if pair in REFUSED or pair[::-1] in REFUSED
+            or stage in REFUSED_AT_STAGE.get(pair, ((),))[0]] + [
+        refused for refused, (stages, *_) in REFUSED_SETS.items()
+        if set(refused) <= set(_in_force(features)) and stage in stages]
 
 
-def refusal_words(pair: tuple[str, str]) -> tuple[str, ...]:
+def refusal_words(pair: tuple[str, ...]) -> tuple[str, ...]:
+    if pair in REFUSED_SETS:
+        return REFUSED_SETS[pair][2]
     if pair in REFUSED_AT_STAGE:
         return REFUSED_AT_STAGE[pair][2]
     return REFUSED[pair][1] if pair in REFUSED else REFUSED[pair[::-1]][1]
@@ -122,12 +144,16 @@ def refused_checkpoint_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]
     loads_at = None
     if "reshard" in features and isinstance(stage, int):
         loads_at = {2: 3, 3: 2}.get(stage) if "step_in_backward" in features else load_stage(features, stage)
-    return [pair for pair in itertools.combinations(features, 2)
+    return [pair for pair in itertools.combinations(_in_force(features), 2)
             if pair in REFUSED_AT_CHECKPOINT or pair[::-1] in REFUSED_AT_CHECKPOINT
-            or (loads_at is not None and REFUSED_AT_STAGE.get(pair, (None,))[0] == loads_at)]
+            or (loads_at is not None and loads_at in REFUSED_AT_STAGE.get(pair, ((),))[0])] + [
+        refused for refused, (stages, *_) in REFUSED_SETS.items()
+        if set(refused) <= set(_in_force(features)) and loads_at in stages]
 
 
-def checkpoint_refusal_words(pair: tuple[str, str]) -> tuple[str, ...]:
+def checkpoint_refusal_words(pair: tuple[str, ...]) -> tuple[str, ...]:
+    if pair in REFUSED_SETS:
+        return REFUSED_SETS[pair][2]
     if pair in REFUSED_AT_STAGE:
         return REFUSED_AT_STAGE[pair][2]
     return REFUSED_AT_CHECKPOINT[pair][1] if pair in REFUSED_AT_CHECKPOINT else REFUSED_AT_CHECKPOINT[pair[::-1]][1]
@@ -146,7 +172,7 @@ def tolerance(features: tuple[str, ...]) -> float:
     return matrix.tolerance(features)
 
 
-#: features that sum a step's fp16 gradients in another order than the reference's (micro-batches
+#: features that sum a step's fp16 or bf16 gradients in another order than the reference's (micro-batches
 #: accumulated one after the other, tensor-parallel partial products)
 REORDERS_FP16_SUMS = ("grad_accum", "save_mid_accum", "pipeline", "tensor_parallel")
 #: the largest learning rate of any run here (AdamW's, Lamb's, WarmupLR's peak; param_groups' other 5e-3)
@@ -169,9 +195,10 @@ def rounding_decided(features: tuple[str, ...], numel: int) -> tuple[int, float]
     sums (:data:`REORDERS_FP16_SUMS`) under an Adam optimizer may have a few such elements (measured:
     at most 6 of 2096, with tensor parallelism), each at most ``2 * lr`` apart per step (each run's
     step is within 1.004 lr in the first 3 steps: Cauchy-Schwarz over Adam's bias-corrected
-    averages); every other element keeps the tolerance. A defect (a gradient scaled, unscaled or
-    summed twice) moves whole tensors, not 1% of the model."""
-    if "fp16" not in features or not set(REORDERS_FP16_SUMS) & set(features):
+    averages); every other element keeps the tolerance. bf16 rounds the same way, coarser: ZeRO 2
+    with bf16 accumulated over the tied GPT ends one element (of 2096) one step apart. A defect (a
+    gradient scaled, unscaled or summed twice) moves whole tensors, not 1% of the model."""
+    if not {"fp16", "bf16"} & set(features) or not set(REORDERS_FP16_SUMS) & set(features):
         return None
     if {"lamb", "client_sgd"} & set(features):  # not Adam: no sign-like first steps
         return None

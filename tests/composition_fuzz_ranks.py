@@ -2,6 +2,7 @@
 one process group (tests/composition_fuzz.py, tests/test_composition_fuzz.py)."""
 from __future__ import annotations
 
+import os
 import traceback
 
 import torch
@@ -78,6 +79,18 @@ def _train(engine, features, cfg, steps, micro=slice(None)) -> None:
             engine.step()
 
 
+def _stages_missing(features: tuple[str, ...], mine: list[str], model: torch.nn.Module) -> list[str]:
+    """In a pipeline, the traces missing on the stages that train something: a stage wholly
+    frozen (partial_freeze) has no backward to recompute and no optimizer state to offload, so
+    its traces are the other stage's."""
+    if not is_pipeline(features):
+        return mine
+    trains = any(p.requires_grad for p in model.parameters())
+    stages: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(stages, (trains, mine))
+    return sorted({why for trains, theirs in stages if trains for why in theirs})
+
+
 def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str | None) -> dict:
     cfg = fuzz.config(features, nvme_path)
     run: dict = {}
@@ -129,7 +142,7 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
         run["frozen_unchanged"] = all(torch.equal(params[n], p) for n, p in frozen_before.items() if n in params)
         # a resharded run's engine is the loading one: its stage is the reshard's, checked there
         shown = tuple(f for f in features if not ("reshard" in features and f in fuzz.matrix.STAGES))
-        return {"params": params, "missing": missing(shown, engine, model, run)}
+        return {"params": params, "missing": _stages_missing(features, missing(shown, engine, model, run), model)}
     except Exception:  # noqa: BLE001 - a crash after initialize is a failure
         return {"crashed": traceback.format_exc(limit=10)}
     finally:
@@ -185,8 +198,10 @@ def run_sets(sets: list[tuple[str, ...]], nvme_path: str, ckpt_root: str, ds_roo
             got = {"crashed": f"the ranks ended it differently {kinds}; rank {rank}: {str(got.get(kind))[:600]}"}
         out[s] = got
         if partial_path is not None:  # what this rank finished, should the group die in a later set
-            with open(partial_path.format(rank=rank), "wb") as f:
+            # (written aside, then renamed: a rank killed mid-write leaves the previous file whole)
+            with open(partial_path.format(rank=rank) + ".tmp", "wb") as f:
                 pickle.dump(out, f)
+            os.replace(partial_path.format(rank=rank) + ".tmp", partial_path.format(rank=rank))
     # rank 0 serves the store: it leaves last
     store.set(f"fuzz/end/{rank}", "1")
     if rank == 0:

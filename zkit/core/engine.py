@@ -18,6 +18,7 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+import attrs
 import torch
 
 from zkit.core import distributed, phases
@@ -116,8 +117,10 @@ class Engine(torch.nn.Module):
         if self.config.seed is not None:
             _seed_everything(self.config.seed)
         self.device = distributed.default_device()
-        # plugins choose per device (zkit-cuda-numba's kernel answers "FusedAdam" on cuda only)
-        self.stack, self.records = configure(self.pm, stack, self.config, self.device)
+        # plugins choose per device (zkit-cuda-numba's kernel answers "FusedAdam" on cuda only); with
+        # optimizer= they choose without the config's optimizer section, which is ignored (below)
+        chosen_from = attrs.evolve(self.config, optimizer=None) if client_optimizer is not None else self.config
+        self.stack, self.records = configure(self.pm, stack, chosen_from, self.device)
 
         self.dtype = self.config.dtype
         # plugins fit what they put into the model before initialize (zero.Init's units) to this stack
@@ -198,7 +201,7 @@ class Engine(torch.nn.Module):
     # -- construction helpers ----------------------------------------------------------------------
     def _optimizer_choice(self, client: Any) -> tuple[OptimizerRecord, dict[str, Any]]:
         record = self.records["optimizer"]
-        if client is not None and record is not None:
+        if client is not None and (record is not None or self.config.optimizer is not None):
             # DeepSpeed steps the client's optimizer and ignores the config's section: so does zkit,
             # and says so (a section that does nothing must not pass silently)
             section = self.config.optimizer.type if self.config.optimizer is not None else record.name

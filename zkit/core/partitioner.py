@@ -99,6 +99,13 @@ class ReducedGradients(Protocol):
     #: holds every piece (ZeRO 0).
     shards_states: bool
 
+    @property
+    def shows_reduced_grads(self) -> bool:
+        """False where the reduced gradients are kept out of memory (a master store that takes them:
+        zkit-offload's NVMe), so :meth:`reduced_grads` cannot show them: known when the
+        partitioner is built, so that code needing them refuses at initialize."""
+        ...
+
     def reduced_grads(self) -> list[GradPiece]:
         """This rank's reduced gradient pieces."""
         ...

@@ -68,6 +68,9 @@ class Init:
         self.stack = stack
         self._patched: list[tuple[type, Any]] = []
 
+    #: enabled Init contexts in force (see :func:`building_under_init`)
+    entered = 0
+
     def __enter__(self) -> "Init":
         if not self.enabled:
             return self
@@ -91,6 +94,7 @@ class Init:
         self._patched.append((torch.nn.Module, ("__init_subclass__", original_init_subclass)))
         self._active = (ACTIVE.fetch, ACTIVE.after_use)
         ACTIVE.fetch, ACTIVE.after_use = self._gather, self._after_use
+        Init.entered += 1
         return self
 
     def _use_config_allocator(self, given: bool) -> None:
@@ -170,7 +174,13 @@ class Init:
                 setattr(cls, name, original)
         self._patched = []
         if self.enabled:
+            Init.entered -= 1
             self.assembly.pm.hook.zkit_model_built_partitioned(assembly=self.assembly)
+
+
+def building_under_init() -> bool:
+    """Whether a module built now is partitioned as it is built (an enabled :class:`Init` is in force)."""
+    return Init.entered > 0
 
 
 def _without_placeholders(config: Any) -> Any:

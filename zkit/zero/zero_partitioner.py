@@ -233,6 +233,12 @@ class ZeroPartitioner(Partitioner):
         master store steps, norms and checks."""
         raise NotImplementedError
 
+    @property
+    def shows_reduced_grads(self) -> bool:
+        """Whether :meth:`reduced_grads` can show the gradients: not where the master store takes
+        them (:class:`zkit.core.partitioner.ReducedGradients`)."""
+        return not self.master_store.takes_grads
+
     def reduced_grads(self) -> list[GradPiece]:
         """This rank's reduced gradient pieces (:class:`zkit.core.partitioner.ReducedGradients`)."""
         shards = self.reduced_grad_shards()

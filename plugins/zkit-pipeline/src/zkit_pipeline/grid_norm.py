@@ -42,13 +42,23 @@ class GridNorm:
     partitioner that shows them (:class:`zkit.core.partitioner.ReducedGradients`): refused at set-up
     otherwise."""
 
-    def __init__(self, partitioner: Any, weights: Mapping[int, float], model_comm: Any) -> None:
+    def __init__(self, partitioner: Any, weights: Mapping[int, float], model_comm: Any,
+                 needed: bool = True) -> None:
         self.by_name = {name: weights[id(p)] for name, p in partitioner.named_trainable() if id(p) in weights}
         if self.by_name and not isinstance(partitioner, ReducedGradients):
             raise ValueError(
                 f"the global gradient norm of a tensor-parallel model or of weights tied across pipeline "
                 f"stages needs a ZeRO stage 0-2 partitioner (it reads each parameter's reduced gradient); "
                 f"{type(partitioner).__name__} does not expose them"
+            )
+        # a master store that takes the gradients (NVMe offload) holds no reduced gradient in
+        # memory to weigh: refused here when a step needs the norm (``needed``), not at that step
+        if self.by_name and needed and not partitioner.shows_reduced_grads:
+            raise ValueError(
+                "the global gradient norm of a tensor-parallel model or of weights tied across pipeline stages "
+                "(gradient clipping, fp16's overflow check) reads each parameter's reduced gradient, which "
+                "zero_optimization.offload_optimizer.device 'nvme' keeps in its master store, not in memory. "
+                "Use offload_optimizer.device 'cpu', or train without gradient_clipping and fp16"
             )
         self.partitioner = partitioner
         self.model_comm = model_comm if model_comm is not None and model_comm.world_size > 1 else None

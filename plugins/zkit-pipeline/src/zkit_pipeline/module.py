@@ -22,6 +22,8 @@ from torch import nn
 
 from zkit.activations.checkpointing import checkpoint
 from zkit.torch_distributed.deferred_communicator import DeferredCommunicator
+from zkit.zero.init import building_under_init
+from zkit.zero.init_adopt import pipeline_refusal
 from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
 from zkit_pipeline.topology import ProcessGrid
 
@@ -153,6 +155,10 @@ class PipelineModule(nn.Module):
             raise ValueError(
                 f"PipelineModule: activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}"
             )
+        if num_stages > 1 and building_under_init():
+            # Init partitions each module over every rank as it is built, and each stage builds
+            # only its own layers: the collectives would not match (nor hold a tied module's copies)
+            raise ValueError(f"PipelineModule: {pipeline_refusal(num_stages)}")
         self.num_stages, self.stage_id, self.virtual_stages = num_stages, stage_id, virtual_stages
         self.loss_fn = loss_fn
         self.checkpoint_interval = activation_checkpoint_interval

@@ -1,0 +1,23 @@
+"""Rank function of test_grid_norm_offload.py: a tensor-parallel model whose optimizer state is on
+NVMe, with gradient clipping or fp16 (both need the grid-wide gradient norm)."""
+from __future__ import annotations
+
+import composition as matrix
+from composition_models import batch, build, loss
+
+
+def tensor_parallel_nvme(features: tuple[str, ...], nvme_path: str) -> dict:
+    import zkit
+
+    features = ("nvme_offload", "tensor_parallel", *features)
+    cfg = matrix.config(features, nvme_path)
+    try:
+        engine, *_ = zkit.initialize(model=build(features), config=cfg)
+    except ValueError as exc:
+        return {"refused": str(exc)}
+    x, y = batch(0, features)
+    for i in range(0, 4, cfg["train_micro_batch_size_per_gpu"]):
+        engine.backward(loss(engine(x[i:i + 2].to(engine.dtype)), y[i:i + 2]))
+        engine.step()
+    engine.close()
+    return {"trained": engine.global_steps}
