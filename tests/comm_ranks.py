@@ -89,3 +89,15 @@ def _engine_runs(flat: str | None, steps: int) -> dict:
         out[name] = {"params": er.params_of(engine), "losses": losses, "kind": kind, "persistent": persistent}
         engine.close()
     return out
+
+
+def broadcast_into_expanded() -> str:
+    """A broadcast into an expanded tensor (one element shown as eight) is refused on every rank."""
+    from zkit.torch_distributed.communicator import TorchCommunicator
+
+    comm = TorchCommunicator(None, None)
+    try:
+        comm.broadcast(torch.zeros(1).expand(8), src=0)
+    except ValueError as exc:
+        return str(exc)
+    return "broadcast"

@@ -146,3 +146,20 @@ def test_without_the_checkpoint_plugin_saving_and_loading_name_the_hook(monkeypa
                                                r"provides it: is it blocked\?\)"):
             call(str(tmp_path))
     assert not list(tmp_path.iterdir())
+
+
+class _LoadOnlyFormat:
+    """Answers ``zkit_checkpoint_format`` with a format that can only load."""
+
+    @zkit.hookimpl
+    def zkit_checkpoint_format(self, engine, path, tag, operation):
+        return CheckpointFormatRecord(name="readonly", detect=lambda path, tag: True,
+                                      load=lambda *a, **k: ("loaded", {}))
+
+
+def test_a_plugins_format_without_the_operation_is_refused_naming_it(tmp_path):
+    engine = _inproc_engine(zkit.Stack(plugins=[_LoadOnlyFormat()]))
+    with pytest.raises(CheckpointError, match=r"the checkpoint format 'readonly' \(from [^)]*\) does not provide "
+                                              r"'save'; it provides: load"):
+        engine.save_checkpoint(str(tmp_path / "c"))
+    assert engine.load_checkpoint(str(tmp_path / "c")) == ("loaded", {})

@@ -74,3 +74,9 @@ def test_native_and_per_rank_collectives_train_the_same_parameters():
             assert a[case]["losses"] == b[case]["losses"], case
             for x, y in zip(a[case]["params"], b[case]["params"]):
                 assert torch.equal(x, y), case
+
+
+def test_a_broadcast_into_an_expanded_tensor_is_refused_before_it_writes():
+    for said in run_ranks(cr.broadcast_into_expanded, 2, timeout=120):
+        assert said.startswith("broadcast into a non-contiguous tensor (shape (8,), stride (0,)): it would write "
+                               "past the tensor's memory")

@@ -165,7 +165,7 @@ def consolidate(args: argparse.Namespace) -> int:
     """One state dict file (``--format file``), or an export in a checkpoint format's ``export``."""
     from zkit.checkpoint.consolidate import write_consolidated
     from zkit.core.checkpoint_errors import CheckpointError
-    from zkit.checkpoint.formats import named, operation
+    from zkit.checkpoint.formats import named
     from zkit.core.plugin_manager import get_plugin_manager
 
     if args.format != "hf" and (args.hf_config or args.max_shard_bytes):
@@ -176,7 +176,7 @@ def consolidate(args: argparse.Namespace) -> int:
     try:
         pm = get_plugin_manager()
         if args.format != "file":
-            export = operation(named(pm, args.format), "export")
+            export = named(pm, args.format).operation("export")
             options = {"config": args.hf_config, "max_shard_bytes": args.max_shard_bytes} if args.format == "hf" else {}
             print(export(args.checkpoint, args.out, tag=args.tag, dtype=args.dtype, **options).summary())
             return 0

@@ -11,7 +11,7 @@ consolidate --format NAME`` reach a format through here, and so do ``engine.load
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import attrs
 
@@ -70,19 +70,6 @@ def named(pm: ZkitPluginManager | None, name: str) -> CheckpointFormatRecord:
     raise CheckpointError(msg)
 
 
-def operation(record: CheckpointFormatRecord, op: str) -> Callable[..., Any]:
-    """``record``'s operation ``op``, refused naming the format when it does not provide it."""
-    if op not in record.OPERATIONS:
-        raise ValueError(f"checkpoint formats have no operation {op!r}; operations: {', '.join(record.OPERATIONS)}")
-    fn = getattr(record, op)
-    if fn is None:
-        raise CheckpointError(
-            f"the checkpoint format {record.name!r} (from {record.dist or '?'}) does not provide {op!r}; it "
-            f"provides: {', '.join(record.provides()) or 'nothing'}"
-        )
-    return fn
-
-
 def detect(pm: ZkitPluginManager | None, path: Path, tag: str | None, op: str) -> CheckpointFormatRecord | None:
     """The first format providing ``op`` whose ``detect(path, tag)`` recognises the directory."""
     for record in formats(pm).values():
@@ -130,4 +117,4 @@ def open_pieces(pm: ZkitPluginManager | None, checkpoint_dir: Path, tag: str | N
     if record is None:
         refuse_unreadable(where)
         record = named(pm, NATIVE)
-    return operation(record, "pieces")(where)
+    return record.operation("pieces")(where)

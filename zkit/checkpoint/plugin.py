@@ -86,7 +86,7 @@ def zkit_checkpoint_format(engine: "Engine", path: Path, tag: str | None, operat
         record = formats.for_load(engine.pm, path, tag)
     else:
         record = formats.named(engine.pm, formats.NATIVE)
-    formats.operation(record, operation)  # an operation the format lacks is refused naming it
+    record.operation(operation)  # an operation the format lacks is refused naming it
     return record
 
 

@@ -568,7 +568,7 @@ class Engine(torch.nn.Module):
         module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
         self._require_on_device("save_checkpoint")
         found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(save_dir), tag=tag, operation="save")
-        save = _answered(found, "engine.save_checkpoint", "zkit_checkpoint_format").save
+        save = _answered(found, "engine.save_checkpoint", "zkit_checkpoint_format").operation("save")
         with phases.phase("save_checkpoint"):
             return save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                         exclude_frozen_parameters=exclude_frozen_parameters)
@@ -633,9 +633,9 @@ class Engine(torch.nn.Module):
         with the drop-in, or one a plugin registers), the answer to ``zkit_checkpoint_format``.
         Nothing to load (no tag, no ``latest`` file) is DeepSpeed's warning and ``(None, None)``."""
         found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(load_dir), tag=tag, operation="load")
-        found = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format")
+        load = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format").operation("load")
         with phases.phase("load_checkpoint"):
-            return found.load(self, Path(load_dir), tag,
+            return load(self, Path(load_dir), tag,
                               load_optimizer_states=load_optimizer_states and not load_module_only,
                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 

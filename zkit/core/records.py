@@ -16,6 +16,8 @@ from typing import Any, Callable, ClassVar, Literal
 
 import attrs
 
+from zkit.core.checkpoint_errors import CheckpointError
+
 
 def _name(value: str) -> str:
     if not isinstance(value, str) or not value.strip():
@@ -231,6 +233,18 @@ class CheckpointFormatRecord:
 
     def provides(self) -> tuple[str, ...]:
         return tuple(op for op in self.OPERATIONS if getattr(self, op) is not None)
+
+    def operation(self, op: str) -> Callable[..., Any]:
+        """The operation ``op``, refused naming the format when it does not provide it."""
+        if op not in self.OPERATIONS:
+            raise ValueError(f"checkpoint formats have no operation {op!r}; operations: {', '.join(self.OPERATIONS)}")
+        fn = getattr(self, op)
+        if fn is None:
+            raise CheckpointError(
+                f"the checkpoint format {self.name!r} (from {self.dist or '?'}) does not provide {op!r}; it "
+                f"provides: {', '.join(self.provides()) or 'nothing'}"
+            )
+        return fn
 
 
 FAMILIES: tuple[str, ...] = (

@@ -211,6 +211,12 @@ class TorchCommunicator(Communicator):
         return self._finish(work, async_op)
 
     def broadcast(self, tensor, src, async_op=False):
+        if not tensor.is_contiguous():
+            # gloo writes a tensor's numel() elements from its first one: into an expanded or strided
+            # view (a released stage-3 placeholder) that writes past its memory
+            raise ValueError(f"broadcast into a non-contiguous tensor (shape {tuple(tensor.shape)}, stride "
+                             f"{tensor.stride()}): it would write past the tensor's memory; broadcast a "
+                             f"contiguous copy and copy it back")
         self.account("broadcast", _nbytes(tensor) if dist.get_rank() == src else 0)
         self.fingerprints.record("broadcast", tensor)
         if self.world_size == 1:
