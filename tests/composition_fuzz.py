@@ -151,7 +151,7 @@ def verdict(features: tuple[str, ...], results: dict) -> str | None:
         if not a.isfinite().all():  # NaN compares as no difference at all
             return f"parameter {name} is not finite"
         diff = (a - b).abs()
-        scale = b.abs().max().clamp_min(fuzz.matrix.scale_floor(features))
+        scale = b.abs().max().clamp_min(fuzz.scale_floor(features))
         worst = max(worst, ((diff.max() / scale).item(), name))
         beyond += [(d, name) for d in diff[diff > tol * scale].tolist()]
     if worst[0] <= tol:

@@ -169,7 +169,14 @@ def reference_of(features: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def tolerance(features: tuple[str, ...]) -> float:
-    return matrix.tolerance(features)
+    """The matrix's tolerance for the features in force: a client's SGD over the 1-bit
+    communicator compresses from step 1 even when the ignored config section names OneBitAdam,
+    which would have kept compression off in its warm-up."""
+    return matrix.tolerance(_in_force(features))
+
+
+def scale_floor(features: tuple[str, ...]) -> float:
+    return matrix.scale_floor(_in_force(features))
 
 
 #: features that sum a step's fp16 or bf16 gradients in another order than the reference's (micro-batches

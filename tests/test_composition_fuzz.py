@@ -44,6 +44,8 @@ NAMED = [
     ("nvme_offload", "clipping", "tensor_parallel"),  # the grid norm read gradients NVMe keeps: crashed at step 1
     ("zero1", "onebit_adam", "custom_comm"),  # refused at stages 1-2 (the model knew stage 0 only)
     ("zero2", "bf16", "grad_accum", "tied_weights"),  # bf16's rounding-decided Adam step, as fp16's
+    ("onebit_comm", "reshard"),  # error feedback of stage 0's all-reduce met stage 1's reduce-scatter: crashed
+    ("onebit_adam", "client_sgd", "onebit_comm"),  # the client's SGD compresses from step 1 (harness tolerance)
 ]
 DRAWN_SEED, DRAWN = 0, 12
 SETS = list(dict.fromkeys([*(fuzz.canonical(s) for s in NAMED), *composition_fuzz.draw(DRAWN, DRAWN_SEED)]))

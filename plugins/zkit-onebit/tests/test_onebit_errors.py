@@ -258,6 +258,25 @@ def test_communicator_state_dict_roundtrip_and_world_size_change():
         fb.load_state_dict(OneBitCommunicator(_Local(2)).feedback_for("x", wrong, torch.device("cpu")).state_dict())
 
 
+def test_error_feedback_saved_for_another_layout_starts_at_zero_with_one_warning():
+    """A checkpoint of another ZeRO stage (its gradients all-reduced, here reduce-scattered) or
+    bucket size: the run goes on from zero error buffers, as on another world size."""
+    from zkit_onebit.compression import ChunkLayout
+
+    comm = OneBitCommunicator(_Local(2), min_numel=1)
+    for key in ("grad/0", "grad/1"):
+        comm.feedback_for(key, ChunkLayout.for_all_reduce(64, 2), torch.device("cpu")).worker.fill_(1.0)
+    loaded = OneBitCommunicator(_Local(2), min_numel=1)
+    loaded.load_state_dict(comm.state_dict())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fbs = [loaded.feedback_for(key, ChunkLayout.for_reduce_scatter(64, 2), torch.device("cpu"))
+               for key in ("grad/0", "grad/1")]
+    assert all(not fb.worker.any() for fb in fbs)
+    assert len(caught) == 1 and "1-bit error feedback 'grad/0' was saved for (kind, numel, world_size) = " \
+        "('flat', 64, 2) and this run reduces ('sharded', 64, 2)" in str(caught[0].message)
+
+
 def test_plugin_registers_records():
     pm = get_plugin_manager()
     assert pm.lookup("communicator", "onebit").dist.startswith("zkit-onebit")

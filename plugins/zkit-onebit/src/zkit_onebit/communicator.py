@@ -67,6 +67,7 @@ class OneBitCommunicator(Communicator):
         self.stage_on_host = stage_on_host
         self._feedback: dict[Hashable, ErrorFeedback] = {}
         self._pending: dict[Hashable, dict[str, Any]] = {}
+        self._warned_layout = False  # a loaded buffer of another layout was reported (once per load)
         self._ordinal: dict[tuple, str] = {}
         self._round: dict[str, int] | None = None
 
@@ -101,8 +102,19 @@ class OneBitCommunicator(Communicator):
             )
         fb = ErrorFeedback.zeros(layout, device, with_server=layout.kind == "flat")
         pending = self._pending.pop(key, None)
-        if pending is not None:
+        saved = None if pending is None else (pending.get("kind"), pending.get("numel"), pending.get("world_size"))
+        if saved == (layout.kind, layout.numel, layout.world_size):
             fb.load_state_dict(pending)
+        elif saved is not None and not self._warned_layout:
+            # a checkpoint of another ZeRO stage (all-reduce at 0, reduce-scatter at 1-2) or bucket
+            # size: as on another world size, the run goes on from zero error buffers
+            self._warned_layout = True
+            warnings.warn(
+                f"1-bit error feedback {key!r} was saved for (kind, numel, world_size) = {saved} and this run "
+                f"reduces {(layout.kind, layout.numel, layout.world_size)} (a checkpoint of another ZeRO stage "
+                f"or bucket size): starting with zero error buffers",
+                stacklevel=2,
+            )
         self._feedback[key] = fb
         return fb
 
@@ -148,6 +160,7 @@ class OneBitCommunicator(Communicator):
             return
         self._feedback = {k: v for k, v in self._feedback.items() if not isinstance(k, str)}
         self._pending = dict(state.get("buffers", {}))
+        self._warned_layout = False
 
     # -- compressed collectives -------------------------------------------------------------------
     def all_reduce(self, tensor, op="sum", async_op=False, key: Hashable | None = None):
