@@ -120,43 +120,44 @@ def _in_force(features: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(f for f in features if f not in OPTIMIZERS) if "client_sgd" in features else features
 
 
-def refused_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
+def _refused(features: tuple[str, ...], table: dict, stage: Any) -> list[tuple[str, ...]]:
+    """The pairs of ``features`` in force that ``table`` refuses, or that are refused at ``stage``,
+    and the sets refused at ``stage``."""
+    in_force = _in_force(features)
+    return [pair for pair in itertools.combinations(in_force, 2)
+            if pair in table or pair[::-1] in table or stage in REFUSED_AT_STAGE.get(pair, ((),))[0]] + [
+        refused for refused, (stages, *_) in REFUSED_SETS.items() if set(refused) <= set(in_force) and stage in stages]
+
+
+def _words(pair: tuple[str, ...], table: dict) -> tuple[str, ...]:
+    """The words the refusal of ``pair`` (a pair or a set) must contain."""
+    for by_stage in (REFUSED_SETS, REFUSED_AT_STAGE):
+        if pair in by_stage:
+            return by_stage[pair][2]
+    return table[pair][1] if pair in table else table[pair[::-1]][1]
+
+
+def refused_pairs(features: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The pairs of ``features`` initialize must refuse (those refused at one stage when the set runs at it)."""
-    stage = _stage(features)
-    return [pair for pair in itertools.combinations(_in_force(features), 2) if pair in REFUSED or pair[::-1] in REFUSED
-            or stage in REFUSED_AT_STAGE.get(pair, ((),))[0]] + [
-        refused for refused, (stages, *_) in REFUSED_SETS.items()
-        if set(refused) <= set(_in_force(features)) and stage in stages]
+    return _refused(features, REFUSED, _stage(features))
 
 
 def refusal_words(pair: tuple[str, ...]) -> tuple[str, ...]:
-    if pair in REFUSED_SETS:
-        return REFUSED_SETS[pair][2]
-    if pair in REFUSED_AT_STAGE:
-        return REFUSED_AT_STAGE[pair][2]
-    return REFUSED[pair][1] if pair in REFUSED else REFUSED[pair[::-1]][1]
+    return _words(pair, REFUSED)
 
 
-def refused_checkpoint_pairs(features: tuple[str, ...]) -> list[tuple[str, str]]:
+def refused_checkpoint_pairs(features: tuple[str, ...]) -> list[tuple[str, ...]]:
     """The pairs of ``features`` whose checkpoint round trip must be refused (with ``reshard``, the
     pairs refused at the stage it loads at: the loading engine's initialize refuses them)."""
     stage = _stage(features)
     loads_at = None
     if "reshard" in features and isinstance(stage, int):
         loads_at = {2: 3, 3: 2}.get(stage) if "step_in_backward" in features else load_stage(features, stage)
-    return [pair for pair in itertools.combinations(_in_force(features), 2)
-            if pair in REFUSED_AT_CHECKPOINT or pair[::-1] in REFUSED_AT_CHECKPOINT
-            or (loads_at is not None and loads_at in REFUSED_AT_STAGE.get(pair, ((),))[0])] + [
-        refused for refused, (stages, *_) in REFUSED_SETS.items()
-        if set(refused) <= set(_in_force(features)) and loads_at in stages]
+    return _refused(features, REFUSED_AT_CHECKPOINT, loads_at)
 
 
 def checkpoint_refusal_words(pair: tuple[str, ...]) -> tuple[str, ...]:
-    if pair in REFUSED_SETS:
-        return REFUSED_SETS[pair][2]
-    if pair in REFUSED_AT_STAGE:
-        return REFUSED_AT_STAGE[pair][2]
-    return REFUSED_AT_CHECKPOINT[pair][1] if pair in REFUSED_AT_CHECKPOINT else REFUSED_AT_CHECKPOINT[pair[::-1]][1]
+    return _words(pair, REFUSED_AT_CHECKPOINT)
 
 
 def reference_of(features: tuple[str, ...]) -> tuple[str, ...]:
