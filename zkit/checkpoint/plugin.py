@@ -82,12 +82,10 @@ def zkit_register_checkpoint_formats():
 
 @zkit.hookimpl(trylast=True)
 def zkit_checkpoint_format(engine: "Engine", path: Path, tag: str | None, operation: str) -> CheckpointFormatRecord:
+    # the engine refuses, naming the format, an operation the answer lacks (record.operation)
     if operation == "load":
-        record = formats.for_load(engine.pm, path, tag)
-    else:
-        record = formats.named(engine.pm, formats.NATIVE)
-    record.operation(operation)  # an operation the format lacks is refused naming it
-    return record
+        return formats.for_load(engine.pm, path, tag)
+    return formats.named(engine.pm, formats.NATIVE)
 
 
 @zkit.hookimpl(trylast=True)
