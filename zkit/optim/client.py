@@ -72,15 +72,21 @@ def adopt(client: torch.optim.Optimizer, built: torch.optim.Optimizer) -> torch.
     what the engine trains, as DeepSpeed steps the client's optimizer itself. Accelerate, for
     one, keeps a torch scheduler on the client optimizer without handing it to initialize. The
     schedule's current and base learning rates carry over."""
-    for new, old in zip(built.param_groups, client.param_groups):
-        for key in ("lr", "initial_lr"):
-            if key in old:
-                new[key] = old[key]
+    carry_learning_rates(client, built)
     # a scheduler's wrapper of the bound ``step`` (torch counts optimizer steps through it) stays
     kept = {k: v for k, v in vars(client).items() if k == "step"}
     vars(client).clear()
     vars(client).update(vars(built), **kept)
     return client
+
+
+def carry_learning_rates(source: torch.optim.Optimizer, target: torch.optim.Optimizer) -> None:
+    """Group by group, ``source``'s current and base learning rates (``lr``, ``initial_lr``: what a
+    schedule has set) onto ``target``."""
+    for theirs, mine in zip(source.param_groups, target.param_groups):
+        for key in ("lr", "initial_lr"):
+            if key in theirs:
+                mine[key] = theirs[key]
 
 
 def client_lr_scheduler(client: Any, optimizer: torch.optim.Optimizer) -> Any:
@@ -104,10 +110,7 @@ def rebind_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
             f"optimizer has {len(optimizer.param_groups)} (its groups come from model_parameters=); pass the same "
             f"groups as model_parameters, or a callable optimizer -> scheduler"
         )
-    for mine, theirs in zip(optimizer.param_groups, old.param_groups):
-        for key in ("lr", "initial_lr"):  # the schedule's current and base learning rates
-            if key in theirs:
-                mine[key] = theirs[key]
+    carry_learning_rates(old, optimizer)
     scheduler.optimizer = optimizer
     # torch's check for "optimizer.step() overridden / called after the scheduler" looks at the
     # first scheduler step only, for a wrapper the scheduler put on the old optimizer; the engine
