@@ -430,12 +430,17 @@ class Engine(torch.nn.Module):
         ``state_dict()``, checkpoints and ``GatheredParameters`` wait on their own."""
         self.partitioner.wait_for_parameters()
 
+    def needs_grad_norm(self) -> bool:
+        """Whether a step computes the global gradient norm: for fp16's overflow check, for
+        clipping, or because the user asked (``track_grad_norm``)."""
+        return self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
+
     def apply_step(self) -> bool:
         """The optimizer step proper: global norm and overflow check, loss scale, clipping, the
         partitioner's step, the LR schedule. Returns False when the step was skipped."""
         # The global norm costs a pass over the gradients and an all-reduce: only when fp16 needs
         # its overflow check, clipping needs the norm, or the user asked for it.
-        needs_norm = self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
+        needs_norm = self.needs_grad_norm()
         norm = float(self.pm.hook.zkit_grad_norm(engine=self)) if needs_norm else 0.0
         # Without a norm, the cheap check: the loss and the reduced gradients, on every rank.
         overflow = not math.isfinite(norm) if needs_norm else self._nonfinite_on_any_rank()

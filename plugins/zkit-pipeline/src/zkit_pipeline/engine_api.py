@@ -30,12 +30,6 @@ RUNNER: StashKey[Any] = StashKey()
 GRID_NORM: StashKey[GridNorm] = StashKey()
 
 
-def _norm_needed(engine: Any) -> bool:
-    """Whether the engine's steps compute the global gradient norm (as ``Engine.apply_step``
-    decides; ``track_grad_norm``, set later, is not known here)."""
-    return engine.loss_scaler.enabled or engine.config.gradient_clipping > 0
-
-
 def setup(engine: Any) -> None:
     """Called when an engine is built: grid-wide gradient norm, the pipeline runner, and the
     activation checkpointing section applied with the model's tensor-parallel group (the config
@@ -59,14 +53,14 @@ def setup(engine: Any) -> None:
     if isinstance(module, TensorParallelModule):
         weights = replication_weights(module, module.grid.degree("tensor"), {})
         model = engine.assembly.communicator(module.grid_groups["model"])
-        engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, model, _norm_needed(engine))
+        engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, model, engine.needs_grad_norm())
     elif isinstance(module, PipelineModule):
         grid = module.grid
         if grid is not None and grid.degree("pipe") * grid.degree("tensor") > 1:
             pipeline = runner(engine)  # collective: every rank builds it at setup, not at its first batch
             weights = replication_weights(module, grid.degree("tensor"), module.tied_copies())
             engine.stash[GRID_NORM] = GridNorm(engine.partitioner, weights, pipeline.comms.get("model"),
-                                               _norm_needed(engine))
+                                               engine.needs_grad_norm())
 
 
 def _refuse_if_nothing_trains(engine: Any, module: Any) -> None:
