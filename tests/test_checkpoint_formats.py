@@ -70,7 +70,7 @@ class _Duplicate:
 
 def test_a_duplicate_format_name_is_refused_naming_both():
     pm = get_plugin_manager(autoload=False, extra_plugins=[_Duplicate()])
-    with pytest.raises(PluginError, match=r"two checkpoint formats are named 'dcp': one from 'zkit', one from 'test_checkpoint_formats'"):
+    with pytest.raises(PluginError, match=r"two checkpoint format records are named 'dcp': one from 'zkit', one from 'test_checkpoint_formats'"):
         pm.checkpoint_formats()
 
 

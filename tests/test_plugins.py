@@ -1,4 +1,5 @@
 """The plugin manager: discovery, duplicate and unknown names, blocking, tracing, bad hooks."""
+import attrs
 import pytest
 
 import zkit
@@ -73,9 +74,35 @@ def test_wrong_record_type_is_named():
             yield SchedulerRecord(name="x", factory=object)
 
     pm = get_plugin_manager(autoload=False, extra_plugins=[Wrong()])
-    with pytest.raises(PluginError, match="expected a optimizer record"):
+    with pytest.raises(PluginError, match=r"expected a zkit.core.records.OptimizerRecord \(optimizer\)"):
         pm.records("optimizer")
 
+
+
+def test_config_section_records_are_checked_like_every_other_record():
+    @attrs.frozen
+    class Section:
+        size: int = 1
+
+    def plugin(module, record):
+        class Plugin:
+            __module__ = module
+
+            @zkit.hookimpl
+            def zkit_config_sections(self):
+                yield record
+
+        return Plugin()
+
+    one, two = (plugin(m, ConfigSectionRecord(path="shared_section", schema=Section)) for m in ("acme_a", "acme_b"))
+    pm = get_plugin_manager(autoload=False, extra_plugins=[one, two])
+    with pytest.raises(PluginError, match=r"two config section records are named 'shared_section': one from "
+                                          r"'acme_a', one from 'acme_b'"):
+        pm.config_sections()
+    pm = get_plugin_manager(autoload=False, extra_plugins=[plugin("acme_c", {"path": "x"})])
+    with pytest.raises(PluginError, match=r"zkit_config_sections of distribution 'acme_c' yielded \{'path': 'x'\}; "
+                                          r"expected a zkit.core.records.ConfigSectionRecord \(config section\)"):
+        pm.config_sections()
 
 def test_trace_logs_hook_calls(monkeypatch, capsys):
     monkeypatch.setenv("ZKIT_TRACE", "1")

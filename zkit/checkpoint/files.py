@@ -1,5 +1,5 @@
 """zkit's checkpoint files: atomic writes, the metadata file, the rank files (the ``"zkit"``
-format's layout; which tag directory a load reads is the core's :mod:`zkit.core.checkpoint_tags`)."""
+format's layout; which tag directory a load reads is :mod:`zkit.checkpoint.tags`)."""
 from __future__ import annotations
 
 import contextlib

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.core.checkpoint_tags import resolve_tag, tag_directory
+from zkit.checkpoint.tags import resolve_tag, tag_directory
 from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
 from zkit.core.records import CheckpointFormatRecord
 

@@ -12,7 +12,7 @@ from zkit.checkpoint import rng
 from zkit.checkpoint.digest import VerifiedCopies
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.files import file_digests, load_rank_file, rank_file, read_meta
-from zkit.core.checkpoint_tags import resolve_tag
+from zkit.checkpoint.tags import resolve_tag
 from zkit.checkpoint.optim_state import StatePlacer
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
 

@@ -14,7 +14,7 @@ from zkit.checkpoint.dcp import is_dcp, load_dcp, write_dcp
 from zkit.checkpoint.export_hf import looks_like_hf, write_hf_pretrained
 from zkit.checkpoint import formats
 from zkit.checkpoint.files import META
-from zkit.core.checkpoint_tags import LATEST, tag_directory
+from zkit.checkpoint.tags import LATEST, tag_directory
 from zkit.checkpoint.load import load_checkpoint
 from zkit.checkpoint.piece_source import RankFiles
 from zkit.checkpoint.save import save_checkpoint

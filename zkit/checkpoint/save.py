@@ -15,7 +15,7 @@ from zkit.checkpoint.config import checkpoint_config
 from zkit.checkpoint.digest import payload_digests
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.files import FORMAT, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
-from zkit.core.checkpoint_tags import LATEST
+from zkit.checkpoint.tags import LATEST
 from zkit.checkpoint.parts import model_part
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -22,7 +22,7 @@ import attrs
 import pluggy
 
 from zkit.core import hookspecs
-from zkit.core.records import FAMILIES, CheckpointFormatRecord, ConfigSectionRecord, Record
+from zkit.core.records import FAMILIES, RECORD_OF_FAMILY, CheckpointFormatRecord, ConfigSectionRecord, Record
 
 ENTRY_POINT_GROUP = "zkit"
 
@@ -118,20 +118,23 @@ class ZkitPluginManager(pluggy.PluginManager):
 
     def _collect(self, family: str) -> dict[str, Record]:
         hook_name = "zkit_register_attention" if family == "attention" else f"zkit_register_{family}s"
-        found: dict[str, Record] = {}
+        return self._named(hook_name, family, RECORD_OF_FAMILY[family], lambda r: (r.name, *r.aliases))
+
+    def _named(self, hook_name: str, kind: str, expected: type, keys: Callable[[Any], Iterable[str]]) -> dict[str, Any]:
+        """``{key: record}`` of what a registration hook yields, each record stamped with its
+        distribution: the one place a record of the wrong kind, or two records under one key, is
+        refused naming both distributions."""
+        found: dict[str, Any] = {}
         for dist, record in self._call_each(hook_name):
-            if not isinstance(record, Record) or record.family != family:
-                raise PluginError(
-                    f"{hook_name} of distribution {dist!r} yielded {record!r}; expected a "
-                    f"{family} record from zkit.core.records"
-                )
+            if not isinstance(record, expected):
+                raise PluginError(f"{hook_name} of distribution {dist!r} yielded {record!r}; expected a "
+                                  f"zkit.core.records.{expected.__name__} ({kind})")
             record = attrs.evolve(record, dist=dist)
-            for key in (record.name, *record.aliases):
+            for key in keys(record):
                 if key in found and found[key] is not record:
                     raise PluginError(
-                        f"two {family} records are named {key!r}: one from {found[key].dist!r}, one from "
-                        f"{dist!r}. Uninstall or block one of them (zkit -p no:NAME, or "
-                        f"ZKIT_BLOCK_PLUGINS=NAME)."
+                        f"two {kind} records are named {key!r}: one from {found[key].dist!r}, one from {dist!r}. "
+                        f"Uninstall or block one of them (zkit -p no:NAME, or ZKIT_BLOCK_PLUGINS=NAME)."
                     )
                 found[key] = record
         return found
@@ -155,34 +158,16 @@ class ZkitPluginManager(pluggy.PluginManager):
     def config_sections(self) -> dict[str, ConfigSectionRecord]:
         """``{dotted path: record}`` of every config section a plugin owns."""
         if self._sections is None:
-            found: dict[str, ConfigSectionRecord] = {}
-            for dist, rec in self._call_each("zkit_config_sections"):
-                rec = attrs.evolve(rec, dist=dist)
-                if rec.path in found:
-                    raise PluginError(
-                        f"config section {rec.path!r} is claimed by {found[rec.path].dist!r} and by {dist!r}"
-                    )
-                found[rec.path] = rec
-            self._sections = found
+            self._sections = self._named("zkit_config_sections", "config section", ConfigSectionRecord,
+                                         lambda r: (r.path,))
         return self._sections
 
     def checkpoint_formats(self) -> dict[str, CheckpointFormatRecord]:
         """``{name: record}`` of every checkpoint format, installed plugins' before the built-ins'
         (the order :mod:`zkit.checkpoint.formats` asks them to recognise a directory)."""
         if self._formats is None:
-            found: dict[str, CheckpointFormatRecord] = {}
-            for dist, rec in self._call_each("zkit_register_checkpoint_formats"):
-                if not isinstance(rec, CheckpointFormatRecord):
-                    raise PluginError(
-                        f"zkit_register_checkpoint_formats of distribution {dist!r} yielded {rec!r}; expected a "
-                        f"zkit.core.records.CheckpointFormatRecord"
-                    )
-                if rec.name in found:
-                    raise PluginError(
-                        f"two checkpoint formats are named {rec.name!r}: one from {found[rec.name].dist!r}, one from "
-                        f"{dist!r}. Uninstall or block one of them (zkit -p no:NAME, or ZKIT_BLOCK_PLUGINS=NAME)."
-                    )
-                found[rec.name] = attrs.evolve(rec, dist=dist)
+            found = self._named("zkit_register_checkpoint_formats", "checkpoint format", CheckpointFormatRecord,
+                                lambda r: (r.name,))
             builtin = [n for n, r in found.items() if r.dist == "zkit"]
             self._formats = {n: found[n] for n in [*(n for n in found if n not in builtin), *builtin]}
         return self._formats

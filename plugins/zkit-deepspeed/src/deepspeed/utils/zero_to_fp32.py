@@ -33,7 +33,7 @@ import torch
 from zkit.checkpoint.consolidate import Plan, _Entry, plan_consolidation, write_file
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.files import META, load_rank_file, rank_file, read_meta
-from zkit.core.checkpoint_tags import read_latest
+from zkit.checkpoint.tags import read_latest
 from zkit_deepspeed.checkpoint.layout import looks_like_deepspeed
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",

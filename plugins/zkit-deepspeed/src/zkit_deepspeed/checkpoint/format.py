@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zkit.checkpoint.files import META
-from zkit.core.checkpoint_tags import tag_directory
+from zkit.checkpoint.tags import tag_directory
 from zkit.core.records import CheckpointFormatRecord
 from zkit_deepspeed.checkpoint.checkpoint import open_checkpoint
 from zkit_deepspeed.checkpoint.layout import looks_like_deepspeed

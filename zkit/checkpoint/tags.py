@@ -1,5 +1,5 @@
 """Which tag directory of a checkpoint directory a load reads: the tag given, or the one its
-``latest`` file names (every tagged format's layout, so the format lookup needs it)."""
+``latest`` file names (the layout of every tagged format, zkit's and the DeepSpeed drop-in's)."""
 from __future__ import annotations
 
 from pathlib import Path
