@@ -573,7 +573,7 @@ class Engine(torch.nn.Module):
         module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
         self._require_on_device("save_checkpoint")
         found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(save_dir), tag=tag, operation="save")
-        save = _answered(found, "engine.save_checkpoint", "zkit_checkpoint_format").operation("save")
+        save = _answered(found, "engine.save_checkpoint", "zkit_checkpoint_format", _CHECKPOINTS).operation("save")
         with phases.phase("save_checkpoint"):
             return save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                         exclude_frozen_parameters=exclude_frozen_parameters)
@@ -611,7 +611,7 @@ class Engine(torch.nn.Module):
             saved = self.pm.hook.zkit_save_16bit_model(
                 engine=self, path=Path(save_dir) / save_filename, exclude_frozen_parameters=exclude_frozen_parameters
             )
-        return bool(_answered(saved, "engine.save_16bit_model", "zkit_save_16bit_model"))
+        return bool(_answered(saved, "engine.save_16bit_model", "zkit_save_16bit_model", _CHECKPOINTS))
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's
@@ -619,7 +619,7 @@ class Engine(torch.nn.Module):
         state = self.pm.hook.zkit_consolidated_16bit_state_dict(
             engine=self, exclude_frozen_parameters=exclude_frozen_parameters
         )
-        _answered(state, "engine.consolidated_16bit_state_dict", "zkit_consolidated_16bit_state_dict")
+        _answered(state, "engine.consolidated_16bit_state_dict", "zkit_consolidated_16bit_state_dict", _CHECKPOINTS)
         return state if self.world_comm.rank == 0 else None
 
     #: DeepSpeed's name, which Accelerate and transformers call
@@ -638,7 +638,7 @@ class Engine(torch.nn.Module):
         with the drop-in, or one a plugin registers), the answer to ``zkit_checkpoint_format``.
         Nothing to load (no tag, no ``latest`` file) is DeepSpeed's warning and ``(None, None)``."""
         found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(load_dir), tag=tag, operation="load")
-        load = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format").operation("load")
+        load = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format", _CHECKPOINTS).operation("load")
         with phases.phase("load_checkpoint"):
             return load(self, Path(load_dir), tag,
                               load_optimizer_states=load_optimizer_states and not load_module_only,
@@ -666,7 +666,11 @@ NO_OPTIMIZER = (
 )
 
 
-def _answered(result: Any, where: str, hook: str, builtin: str = "zkit.checkpoint_formats") -> Any:
+#: the built-in plugin that answers the checkpoint hooks
+_CHECKPOINTS = "zkit.checkpoint_formats"
+
+
+def _answered(result: Any, where: str, hook: str, builtin: str) -> Any:
     """A ``firstresult`` hook's answer, refused when no plugin gave one (the built-in blocked)."""
     if result is None:
         raise RuntimeError(f"{where}: no plugin answers the hook {hook} (the built-in {builtin} provides it: is it "
