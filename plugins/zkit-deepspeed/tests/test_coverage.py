@@ -11,7 +11,8 @@ import pytest
 
 import deepspeed  # noqa: F401 - the drop-in's alias
 from deepspeed.refused import REFUSED_MODULES, REFUSED_NAMES, FeatureNotProvided, refusal_for
-from zkit_deepspeed.coverage import ENTRIES, SOURCES, Status, resolve, write
+from zkit_deepspeed.coverage import ENTRIES, SOURCES, Status, resolve
+from zkit_deepspeed.coverage_page import write
 
 PAGE = Path(__file__).resolve().parents[3] / "docs" / "deepspeed-coverage.md"
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from zkit_deepspeed.coverage_entries import ENTRIES  # noqa: F401 - the data, in its own file
 from zkit_deepspeed.coverage_model import Entry, Status
 
-__all__ = ["ENTRIES", "EXCLUDED", "Entry", "SOURCES", "Status", "resolve", "write"]
+__all__ = ["ENTRIES", "EXCLUDED", "Entry", "SOURCES", "Status", "resolve"]
 
 #: where a name was found (``Entry.sources``)
 SOURCES = {
@@ -65,6 +66,3 @@ EXCLUDED: dict[str, str] = {
     "deepspeed.runtime.engine.DeepSpeedEngine.deepspeed_io": "a method of the engine, not a module name: the "
                                                              "engine's methods are in docs/engine.md",
 }
-
-from zkit_deepspeed.coverage_entries import ENTRIES  # noqa: E402 - the data, in its own file
-from zkit_deepspeed.coverage_page import write  # noqa: E402,F401 - the page, in its own file

@@ -3,7 +3,7 @@
 Written first from ``tools/scan_deepspeed_names.py``'s candidates, then kept by hand: a new name
 gets an entry here and its behaviour in the ``deepspeed`` package."""
 
-from zkit_deepspeed.coverage_model import _e, _p, _r
+from zkit_deepspeed.coverage_model import _e, _r
 
 
 ENTRIES = (

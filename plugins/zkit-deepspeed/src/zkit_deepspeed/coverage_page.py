@@ -8,6 +8,10 @@ import sys
 from collections import Counter
 from typing import TextIO
 
+from deepspeed.refused import refusal_for
+from zkit_deepspeed.coverage import ENTRIES, EXCLUDED, SOURCES, Status
+from zkit_deepspeed.unit_tests import CPU_CAPABLE_FILES, DEEPSPEED_RESULTS, DIFFERENCES, NOT_MEASURED, ZKIT_RESULTS
+
 HEADER = """\
 # DeepSpeed coverage
 
@@ -42,11 +46,6 @@ def _cell(text: str) -> str:
 
 
 def write(out: TextIO) -> None:
-    from deepspeed.refused import refusal_for
-    from zkit_deepspeed.coverage import ENTRIES, EXCLUDED, SOURCES, Status
-    from zkit_deepspeed.unit_tests import (CPU_CAPABLE_FILES, DEEPSPEED_RESULTS, DIFFERENCES, NOT_MEASURED,
-                                           ZKIT_RESULTS)
-
     out.write(HEADER)
     out.write("\n## Sources\n\n| source | what was scanned |\n|---|---|\n")
     for key, what in SOURCES.items():

@@ -157,12 +157,3 @@ class DeepSpeedCheckpoint:
             groups = base.get("param_groups", []) if isinstance(base, dict) else []
         return [{k: v for k, v in g.items() if k != "params"} for g in groups]
 
-
-def open_checkpoint(where: Path) -> "DeepSpeedCheckpoint":
-    """The DeepSpeed checkpoint in ``where`` (one tag's directory), a pipeline's or not."""
-    layout = detect(where)
-    if layout.layer_files:
-        from zkit_deepspeed.checkpoint.pipeline import DeepSpeedPipelineCheckpoint
-
-        return DeepSpeedPipelineCheckpoint(where, layout)
-    return DeepSpeedCheckpoint(where)

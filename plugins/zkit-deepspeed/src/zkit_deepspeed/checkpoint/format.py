@@ -13,9 +13,9 @@ import torch
 from zkit.checkpoint.files import META
 from zkit.checkpoint.tags import tag_directory
 from zkit.core.records import CheckpointFormatRecord
-from zkit_deepspeed.checkpoint.checkpoint import open_checkpoint
 from zkit_deepspeed.checkpoint.layout import looks_like_deepspeed
 from zkit_deepspeed.checkpoint.load import load_deepspeed_checkpoint
+from zkit_deepspeed.checkpoint.open import open_checkpoint
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine

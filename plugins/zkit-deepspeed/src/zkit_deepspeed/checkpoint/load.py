@@ -19,7 +19,8 @@ import torch
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.load import check_params, fill_pieces, load_module_extras
 from zkit.checkpoint.parts import LayerNamed, model_part
-from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint, open_checkpoint
+from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
+from zkit_deepspeed.checkpoint.open import open_checkpoint
 from zkit_deepspeed.checkpoint.pipeline import DeepSpeedPipelineCheckpoint, StageView
 
 if TYPE_CHECKING:  # pragma: no cover
