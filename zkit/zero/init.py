@@ -18,6 +18,7 @@ like any collective.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -76,7 +77,7 @@ class Init:
             return self
         distributed.ensure_initialized()
         # the host-memory plugin's zkit_configure sets glibc's policy before any module is built
-        config = _without_placeholders(self.config)
+        config = _as_init_reads(self.config)
         self.assembly = Assembly.build(config, self.stack)
         self.comm = self.assembly.communicator(None)
         self.device = self.assembly.device
@@ -183,21 +184,35 @@ def building_under_init() -> bool:
     return Init.entered > 0
 
 
-def _without_placeholders(config: Any) -> Any:
-    """The config less Hugging Face's ``"auto"`` placeholders. transformers builds a model inside
-    ``zero.Init(config_dict_or_path=...)`` before it fills them in (scheduler steps, bucket sizes
-    from the hidden size): the Init reads none of those keys, and the engine later gets the filled
-    config and validates it whole."""
-    if config is None or isinstance(config, ZkitConfig):
-        return config
-    data = _read_json(Path(config)) if isinstance(config, (str, os.PathLike)) else config
+def _as_init_reads(config: Any) -> Any:
+    """The config less what the Init does not read and must not judge:
+
+    * Hugging Face's ``"auto"`` placeholders. transformers builds a model inside
+      ``zero.Init(config_dict_or_path=...)`` before it fills them in (scheduler steps, bucket sizes
+      from the hidden size);
+    * the ``optimizer`` section. Which optimizer trains is decided at ``initialize``, where a
+      client's ``optimizer=`` replaces the section (as in DeepSpeed): the plugins' checks of the
+      section here would refuse, or name, an optimizer that never runs.
+
+    The engine later gets the whole config and validates it."""
+    if config is None:
+        return None
+    if isinstance(config, ZkitConfig):
+        if config.optimizer is None:
+            return config
+        data = copy.deepcopy(config.raw) if config.raw else config.to_dict()
+    else:
+        data = _read_json(Path(config)) if isinstance(config, (str, os.PathLike)) else config
 
     def strip(value: Any) -> Any:
         if isinstance(value, dict):
             return {k: strip(v) for k, v in value.items() if not (isinstance(v, str) and v == "auto")}
         return value
 
-    return strip(data)
+    data = strip(data)
+    if isinstance(data, dict):
+        data.pop("optimizer", None)
+    return data
 
 
 @contextlib.contextmanager
