@@ -23,6 +23,11 @@ def fp16_sum_overflow(prescale: bool) -> dict:
     return {"applied": applied}
 
 
+def predivide_runs(runs: list[tuple[int, float]]) -> list[list[float]]:
+    """:func:`predivide_matches_average` for each ``(stage, factor)``, in one launch of the ranks."""
+    return [predivide_matches_average(stage, factor) for stage, factor in runs]
+
+
 def predivide_matches_average(stage: int, factor: float) -> list[float]:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
