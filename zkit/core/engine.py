@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -169,14 +168,15 @@ class Engine(torch.nn.Module):
         self.global_steps = 0
         self.global_samples = 0
         self.skipped_steps = 0
-        self._nonfinite_in_a_row = 0  # consecutive bf16/fp32 steps skipped for a NaN or infinity
         #: backward passes whose gradients wait for the optimizer step (a checkpoint cannot hold them)
         self.pending_micro_steps = 0
         self._step_applied = False
-        self._grad_norm: float | None = None
+        #: the gradient norm of the last applied step (unscaled; None when the step needed none or was skipped)
+        self.global_grad_norm: float | None = None
         self._no_sync = False
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
-        self._losses: list[torch.Tensor] = []
+        #: the detached losses of this global batch's micro-steps (the step's non-finite check reads them)
+        self.batch_losses: list[torch.Tensor] = []
         self.tokens_per_sample: int | None = None  # set it to log tokens/s
         #: compute the global gradient norm every step even without fp16 or clipping (for logging)
         self.track_grad_norm = False
@@ -281,7 +281,7 @@ class Engine(torch.nn.Module):
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        return self._grad_norm
+        return self.global_grad_norm
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -376,7 +376,7 @@ class Engine(torch.nn.Module):
             raise RuntimeError(NO_OPTIMIZER)
         if not torch.is_tensor(loss) or loss.numel() != 1:
             raise ValueError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
-        self._losses.append(loss.detach().float())
+        self.batch_losses.append(loss.detach().float())
         self.pending_micro_steps += 1
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
         micro = self.micro_step_protocol  # the hooks and the partitioner's reduction around it
@@ -420,7 +420,7 @@ class Engine(torch.nn.Module):
         self.micro_steps += m
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size * m
         self.global_steps += 1
-        self._losses = [loss.detach().float().reshape(())]
+        self.batch_losses = [loss.detach().float().reshape(())]
         self._after_step()
 
     def wait_for_parameters(self) -> None:
@@ -434,100 +434,6 @@ class Engine(torch.nn.Module):
         """Whether a step computes the global gradient norm: for fp16's overflow check, for
         clipping, or because the user asked (``track_grad_norm``)."""
         return self.loss_scaler.enabled or self.config.gradient_clipping > 0 or self.track_grad_norm
-
-    def apply_step(self) -> bool:
-        """The optimizer step proper: global norm and overflow check, loss scale, clipping, the
-        partitioner's step, the LR schedule. Returns False when the step was skipped."""
-        # The global norm costs a pass over the gradients and an all-reduce: only when fp16 needs
-        # its overflow check, clipping needs the norm, or the user asked for it.
-        needs_norm = self.needs_grad_norm()
-        norm = float(self.pm.hook.zkit_grad_norm(engine=self)) if needs_norm else 0.0
-        # Without a norm, the cheap check: the loss and the reduced gradients, on every rank.
-        overflow = not math.isfinite(norm) if needs_norm else self._nonfinite_on_any_rank()
-        scale = self.loss_scaler.scale  # the scale this batch's gradients carry (1.0 unless fp16)
-        if self.loss_scaler.enabled:
-            self.loss_scaler.update(overflow, self.global_steps + 1)
-        if overflow:
-            self.skipped_steps += 1
-            self._grad_norm = None
-            self.partitioner.skip_step()
-            self._skip_nonfinite_step()
-            return False
-        self._nonfinite_in_a_row = 0
-        true_norm = norm / scale
-        factor = 1.0 / scale
-        clip = self.config.gradient_clipping
-        if clip > 0 and true_norm > clip:
-            factor *= clip / (true_norm + 1e-6)
-        self._grad_norm = true_norm if needs_norm else None
-        self.partitioner.step(factor)
-        self.partitioner.zero_grad()
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        return True
-
-    def _nonfinite_on_any_rank(self) -> bool:
-        """Whether this batch's loss, or a gradient this rank steps after reduction, was NaN or
-        infinite on some rank. While gradients are reduced a 4-byte all-reduce beside them makes
-        every rank give the same answer, so all skip together (a NaN one rank's backward made
-        reaches only the rank owning that shard at stages 1-3). Without reduction (1-bit
-        optimizers' compressed or local steps, which exist to save collectives) a rank cannot know
-        the others': its own non-finite loss or gradient stops the job rather than letting the
-        replicas' steps differ."""
-        # one flag on the device and one read of it: each read waits for the device to drain
-        bad = torch.zeros(1, dtype=torch.float32, device=self.device)
-        if self._losses:
-            losses = torch.stack([loss.reshape(()) for loss in self._losses]).to(self.device)
-            bad += torch.isfinite(losses).all().logical_not().to(torch.float32)
-        grads_finite = self.partitioner.grads_finite()
-        if grads_finite is not None:
-            bad += grads_finite.logical_not().to(device=self.device, dtype=torch.float32)
-        if self.world_size == 1:
-            return bool(bad.item() > 0)
-        if not self.partitioner.gradient_reduction:
-            if bad.item() > 0:
-                raise FloatingPointError(
-                    f"step {self.global_steps + 1}: the loss or the gradients on rank {self.rank} are NaN or infinite "
-                    f"while gradients are not reduced (a 1-bit optimizer's compressed or local step), so the ranks "
-                    f"cannot skip it together; training stopped"
-                )
-            return False
-        self.comm.all_reduce(bad, "sum")
-        return bool(bad.item() > 0)
-
-    def _skip_nonfinite_step(self) -> None:
-        """Say why a step was skipped; stop after ``nonfinite_steps_limit`` in a row in bf16/fp32 and
-        with a static fp16 loss scale (a dynamic one shrinks until ``min_loss_scale`` stops the job)."""
-        step = self.global_steps + 1
-        limit = self.config.nonfinite_steps_limit
-        if self.loss_scaler.enabled:
-            if not self.loss_scaler.dynamic:
-                self._nonfinite_in_a_row += 1
-                if self._nonfinite_in_a_row > limit:
-                    raise FloatingPointError(
-                        f"step {step}: fp16 gradients overflowed for {self._nonfinite_in_a_row} steps in a row with the "
-                        f"static loss scale {self.loss_scaler.scale:g} (fp16.loss_scale; nonfinite_steps_limit is "
-                        f"{limit}); training stopped. Lower fp16.loss_scale, set it to 0 for dynamic loss scaling, or "
-                        f"train in bf16"
-                    )
-            if self.rank == 0:
-                log.warning("step %d: gradient overflow, step skipped; loss scale now %g", step, self.loss_scaler.scale)
-            return
-        self._nonfinite_in_a_row += 1
-        if self._nonfinite_in_a_row > limit:
-            raise FloatingPointError(
-                f"step {step}: the loss or the gradients were NaN or infinite for {self._nonfinite_in_a_row} "
-                f"steps in a row (nonfinite_steps_limit is {limit}); training stopped. Lower the learning rate, "
-                f"enable gradient_clipping, or look for bad inputs in the batches before step {step}"
-            )
-        if self.rank == 0:
-            log.warning(
-                "step %d: the loss or the gradients are NaN or infinite; step skipped (%d in a row, the job stops "
-                "after %d)",
-                step,
-                self._nonfinite_in_a_row,
-                limit,
-            )
 
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Run one global batch (``gradient_accumulation_steps`` micro-batches) from ``data_iter``
@@ -563,7 +469,7 @@ class Engine(torch.nn.Module):
         return _enter_all(self.pm.hook.zkit_model_pass(engine=self, direction=direction))
 
     def _after_step(self) -> None:
-        losses, self._losses = self._losses, []
+        losses, self.batch_losses = self.batch_losses, []
         self.pm.hook.zkit_after_step(engine=self, losses=losses)
 
     # -- checkpoints ------------------------------------------------------------------------------

@@ -323,9 +323,10 @@ def zkit_optimizer_step(engine: Engine) -> bool | None:
     """Perform the optimizer step at a gradient-accumulation boundary and return whether the
     step was applied (``False`` when skipped because of an fp16 overflow).
 
-    The built-in implementation (``trylast``) runs :meth:`zkit.core.engine.Engine.apply_step`:
+    The built-in implementation (``trylast``) is :func:`zkit.train_loop.optimizer_step.apply_step`:
     global gradient norm and overflow check, loss-scale update, clipping, the partitioner's step,
-    the LR schedule. Wrap it (``@hookimpl(wrapper=True)``) to time or profile the step; answer it
+    the LR schedule, and the skipped-step policy (``nonfinite_steps_limit``); it sets
+    ``engine.global_grad_norm`` and counts ``engine.skipped_steps``. Wrap it (``@hookimpl(wrapper=True)``) to time or profile the step; answer it
     to replace the step (a 1-bit optimizer that exchanges momentum instead of gradients)."""
 
 

@@ -1,6 +1,6 @@
 """The default answers to the ``firstresult`` step hooks: one global batch as plain gradient
 accumulation, its forward-only evaluation, the optimizer step of
-:meth:`zkit.core.engine.Engine.apply_step`, and the partitioner's gradient norm."""
+:func:`zkit.train_loop.optimizer_step.apply_step`, and the partitioner's gradient norm."""
 from __future__ import annotations
 
 from collections.abc import Mapping
@@ -8,6 +8,7 @@ from collections.abc import Mapping
 import torch
 
 import zkit
+from zkit.train_loop.optimizer_step import apply_step
 
 
 def run_micro_batch(engine, batch):
@@ -46,7 +47,7 @@ def zkit_eval_batch(engine, data_iter):
 
 @zkit.hookimpl(trylast=True)
 def zkit_optimizer_step(engine):
-    return engine.apply_step()
+    return apply_step(engine)
 
 
 @zkit.hookimpl(trylast=True)
