@@ -25,3 +25,12 @@ def test_tensor_parallel_nvme_norm(tmp_path, features):
             assert got["refused"].startswith(REFUSAL), got
         else:
             assert got == {"trained": 1}
+
+
+def test_a_norm_asked_for_after_initialize_stops_at_the_step_naming_why(tmp_path):
+    """``engine.track_grad_norm`` is set after initialize, so only the step can refuse it."""
+    for got in run_ranks(grid_norm_offload_ranks.tensor_parallel_nvme, 2, args=((), str(tmp_path), True),
+                         timeout=300):
+        assert got["stopped"].startswith(
+            "engine.track_grad_norm asks for the global gradient norm of a tensor-parallel model or of weights tied "
+            "across pipeline stages, which reads each parameter's reduced gradient"), got

@@ -65,6 +65,14 @@ class GridNorm:
 
     def __call__(self, stage_norm: torch.Tensor) -> torch.Tensor:
         sq = stage_norm.float().reshape(1) ** 2
+        if self.by_name and not self.partitioner.shows_reduced_grads:
+            # not needed at set-up (refused there otherwise): only engine.track_grad_norm, set since
+            raise RuntimeError(
+                "engine.track_grad_norm asks for the global gradient norm of a tensor-parallel model or of weights "
+                "tied across pipeline stages, which reads each parameter's reduced gradient; "
+                "zero_optimization.offload_optimizer.device 'nvme' keeps them in its master store, not in memory. "
+                "Leave track_grad_norm off, or use offload_optimizer.device 'cpu'"
+            )
         if self.by_name:
             sq = sq - self._excess(sq.device)
         if self.model_comm is not None:
