@@ -70,8 +70,9 @@ def test_run_without_master_port_uses_a_free_port_and_a_taken_port_names_the_fla
     import socket
 
     script = tmp_path / "ok.py"
+    # The barrier: a rank that exits at once closes its gloo pairs under a peer still connecting them.
     script.write_text("import zkit.core.distributed as d, torch.distributed as dist\nd.ensure_initialized()\n"
-                      "print(f'ws {dist.get_world_size()}', flush=True)\nimport sys\nsys.exit(0)\n")
+                      "print(f'ws {dist.get_world_size()}', flush=True)\ndist.barrier()\nimport sys\nsys.exit(0)\n")
     with socket.socket() as busy:  # another job holding torchrun's default port changes nothing
         busy.bind(("127.0.0.1", 0))
         busy.listen()

@@ -5,8 +5,11 @@
 ``my_check(*args)`` runs once per rank, inside an initialised ``torch.distributed`` group, and returns a
 picklable value; ``run_ranks`` returns the values in rank order. A rank that raises makes ``run_ranks``
 raise :class:`RanksFailed` with that rank's traceback as soon as it is known (the other ranks are killed,
-never left hanging); a job that does not finish within ``timeout`` seconds raises :class:`RanksTimedOut`
-naming the ranks that had not finished. The function must be importable by name (module level): ranks
+never left hanging), and says of each other rank whether it returned, still ran, or ended without a
+traceback (its exit code or signal); a rank that returns keeps its end of the group open until
+every rank has returned, so that a function needing no collective never fails a slower rank. A job
+that does not finish within ``timeout`` seconds raises :class:`RanksTimedOut` naming the ranks that
+had not finished. The function must be importable by name (module level): ranks
 start as fresh interpreters would, never as forks of the caller (a fork of a process that ran torch's
 thread pool hangs in it).
 
@@ -25,6 +28,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
 import time
 import traceback
@@ -45,7 +49,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, threads, env, results) -> None:
+def _rank_main(fn, args, kwargs, rank, world_size, port, threads, env, results, release, timeout) -> None:
     # A forked rank inherits the forkserver's environment, frozen when it started: take the
     # caller's as of this call instead (what a spawned rank would have).
     os.environ.clear()
@@ -65,34 +69,74 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, threads, env, results) 
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         try:
-            value = fn(*args, **kwargs)
-        finally:
-            # Destroying a group waits for no one: a rank that returns early must not hang the others.
+            # Plain pickle copies tensor bytes; the queue's default would pass file descriptors that
+            # die with this process.
+            reply = (rank, True, pickle.dumps(fn(*args, **kwargs)))
+        except BaseException:
+            # Destroying a group waits for no one: a rank that fails must not hang the others.
             dist.destroy_process_group()
-        # Plain pickle copies tensor bytes; the queue's default would pass file descriptors that
-        # die with this process.
-        results.put((rank, True, pickle.dumps(value)))
+            raise
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         results.put((rank, False, traceback.format_exc()))
+        return
+    results.put(reply)
+    # A rank that has returned keeps its end of the group open until every rank has returned:
+    # gloo connects the ranks' pairs while they already run, so a rank that exits at once (its
+    # function needed no collective) closes a pair that a slower rank is still connecting, which
+    # fails there with "Connection closed by peer"; and rank 0 serves the group's store.
+    release.wait(timeout)
+    dist.destroy_process_group()
 
 
 # A rank whose peer died fails inside a collective with one of these; it is a consequence, not the cause.
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
 
 
-def _failure_report(name: str, failures: dict[int, str], results: Any, grace: float = 3.0) -> str:
-    """Collect the other ranks' failures for a moment and put the root cause first."""
+def _failure_report(name: str, failures: dict[int, str], results: Any, procs: list, returned: set[int],
+                    grace: float = 3.0) -> str:
+    """Collect the other ranks' failures for a moment, put the root cause first, and say what became
+    of each rank that sent no traceback."""
     deadline = time.monotonic() + grace
     while time.monotonic() < deadline:
         try:
-            rank, ok, value = results.get(timeout=max(deadline - time.monotonic(), 0.01))
+            rank, ok, value = results.get(timeout=0.1)
         except queue.Empty:
-            break
-        if not ok:
+            # A rank flushes what it sent before it exits: once none that owes word runs, none comes.
+            if all(r in failures or r in returned or p.exitcode is not None for r, p in enumerate(procs)):
+                break
+            continue
+        if ok:
+            returned.add(rank)
+        else:
             failures[rank] = value
-    ordered = sorted(failures, key=lambda r: (any(s in failures[r] for s in _SECONDARY), r))
-    parts = [f"rank {r} of {name} failed:\n{failures[r]}" for r in ordered]
-    return "\n".join(parts)
+    # The root cause first: a traceback of its own, then a rank that died without one, then the
+    # failures that follow from a dead peer, then the ranks that returned or still ran.
+    lines = {}
+    for r, proc in enumerate(procs):
+        if r in failures:
+            order = 2 if any(s in failures[r] for s in _SECONDARY) else 0
+            lines[r] = (order, f"rank {r} of {name} failed:\n{failures[r]}")
+        else:
+            order = 3 if r in returned or proc.exitcode is None else 1
+            lines[r] = (order, f"rank {r} of {name} {_fate(proc, r in returned)}")
+    return "\n".join(text for _, text in sorted(lines.values(), key=lambda line: line[0]))
+
+
+def _fate(proc: Any, returned: bool) -> str:
+    """What became of a rank that sent no traceback, in words."""
+    if returned:
+        return "returned its result"
+    code = proc.exitcode
+    if code is None:
+        return "was still running and had sent no traceback"
+    if code < 0:
+        try:
+            how = f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"died with exit code {code}"
+    return f"{how} and sent no traceback"
 
 
 def run_ranks(
@@ -142,11 +186,13 @@ def _context(start: str | None = None):
 
 def _run_ranks_once(ctx, fn, world_size, args, kwargs, timeout, threads_per_rank, env, port) -> list[Any]:
     results = ctx.Queue()
+    release = ctx.Event()  # set once every rank has returned: then they may close the group
     child_env = {**os.environ, "OMP_NUM_THREADS": str(threads_per_rank), **(env or {})}
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, tuple(args), dict(kwargs or {}), r, world_size, port, threads_per_rank, child_env, results),
+            args=(fn, tuple(args), dict(kwargs or {}), r, world_size, port, threads_per_rank, child_env, results,
+                  release, timeout),
             daemon=True,
         )
         for r in range(world_size)
@@ -167,18 +213,16 @@ def _run_ranks_once(ctx, fn, world_size, args, kwargs, timeout, threads_per_rank
             try:
                 rank, ok, value = results.get(timeout=min(left, 1.0))
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode not in (None, 0)]
+                dead = [r for r, p in enumerate(procs) if r not in out and p.exitcode is not None]
                 if dead:
                     time.sleep(0.5)  # let a traceback that is on its way arrive first
                     if results.empty():
-                        raise RanksFailed(
-                            f"rank {dead[0]} of {fn.__name__} died with exit code "
-                            f"{procs[dead[0]].exitcode} and no traceback"
-                        ) from None
+                        raise RanksFailed(_failure_report(fn.__name__, {}, results, procs, set(out))) from None
                 continue
             if not ok:
-                raise RanksFailed(_failure_report(fn.__name__, {rank: value}, results))
+                raise RanksFailed(_failure_report(fn.__name__, {rank: value}, results, procs, set(out)))
             out[rank] = pickle.loads(value)
+        release.set()
     finally:
         for p in procs:
             p.join(timeout=5 if len(out) == world_size else 0.1)
