@@ -23,6 +23,7 @@ SCRIPT = textwrap.dedent("""
     import helper  # a module next to the script: the script's folder comes first on sys.path
     print(f"rank={os.environ['RANK']} local_rank={args.local_rank} steps={args.steps} "
           f"world={dist.get_world_size()} helper={helper.NAME}", flush=True)
+    dist.barrier()  # a rank that exits at once closes its gloo pairs under a peer still connecting them
 """)
 
 
