@@ -62,6 +62,8 @@ FEATURES: dict[str, str] = {
                    "as at least 0.1); exact where nothing is compressed: with OneBitAdam or ZeroOneAdam (they keep "
                    "compression off in their warm-up) and with one data-parallel replica (pipeline, tensor "
                    "parallelism: no gradient is reduced)",
+    "compile": "the module's forward compiled by engine.compile(backend=zkit.testing.CountingBackend()) after "
+               "initialize (aot_eager; the engine's hooks, reductions and step stay eager)",
     "pipeline_dp": "zkit-pipeline: a PipelineModule of 2 stages x 2 data-parallel replicas on 4 ranks (run as a "
                    "group of its own, against the 2-rank references)",
 }
@@ -92,6 +94,9 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("nvme_offload", "onebit_adam"): ("state swapped from NVMe is stepped sub-group by sub-group, which only the "
                                       "fused CPU optimizers do", ("onebitadam", "nvme")),
     ("nvme_offload", "client_sgd"): ("as above: SGD has no sub-group step", ("sgd", "nvme")),
+    ("zero3", "compile"): ("stage 3 swaps placeholders for gathered values inside forward: Dynamo would compile "
+                           "again at every step", ("torch.compile", "stage 3")),
+    ("param_offload", "compile"): ("parameter offload is stage 3 (as above)", ("torch.compile", "stage 3")),
     ("zero3", "pipeline"): ("stage 3 gathers parameters per forward, which the pipeline's chunks do not do",
                             ("zero stage 3", "pipeline")),
     ("param_offload", "pipeline"): ("parameter offload is stage 3 (as above)", ("zero stage 3", "pipeline")),

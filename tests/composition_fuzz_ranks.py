@@ -123,6 +123,8 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
             except Exception as exc:  # noqa: BLE001 - the refusal is the result
                 return {"refused_checkpoint": f"{type(exc).__name__}: {exc}"}
             run["loaded_steps"] = engine.global_steps
+            # one micro-step in all is the one the engine's FLOP probe runs eagerly (zkit.core.compile)
+            run["probed_only"] = cfg["gradient_accumulation_steps"] == 1
             _train(engine, features, cfg, range(STEPS - 1, STEPS))
         elif "save_mid_accum" in features:
             _train(engine, features, cfg, range(STEPS - 1))

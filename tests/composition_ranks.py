@@ -102,6 +102,25 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
     if stack:
         kwargs["stack"] = zkit.Stack(**stack)
     engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
+    if "compile" in features:
+        import torch._dynamo as dynamo
+
+        from zkit.testing import CountingBackend
+
+        # the cells of one process compile the same forwards: past Dynamo's recompile limit for a
+        # code object, a forward would run uncompiled and the cell would test nothing
+        dynamo.reset()
+        backend = CountingBackend()
+        try:
+            engine.compile(backend=backend)
+        except Exception:
+            engine.close()  # refused before any step: the engine must not outlive the refusal
+            raise
+        # both engines of a checkpoint cell: the loading one takes one step, which the engine's FLOP
+        # probe runs eagerly (zkit.core.compile)
+        backends = run.setdefault("backends", [])
+        backends.append(backend)
+        run["graphs"] = lambda: sum(b.graphs for b in backends)
     return engine, model
 
 
