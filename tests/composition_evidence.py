@@ -164,7 +164,7 @@ CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
     "tied_weights": lambda e, m, r: _tied(m),
     "onebit_comm": lambda e, m, r: _compressed(e) if r["compresses"] else _onebit_comm(e),
     "compile": lambda e, m, r: ("the engine's module is not compiled" if not e.is_compiled
-                                else None if r["graphs"]() > 0 or r.get("probed_only")
+                                else None if sum(b.graphs for b in r["backends"]) > 0 or r.get("probed_only")
                                 else "torch.compile was handed no graph"),
     # the fuzzer's features (composition_fuzz_model.py)
     "zero_init": lambda e, m, r: (None if r["init_partitioned"] or e.zero_optimization_stage() != 3

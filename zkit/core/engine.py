@@ -171,8 +171,7 @@ class Engine(torch.nn.Module):
         #: backward passes whose gradients wait for the optimizer step (a checkpoint cannot hold them)
         self.pending_micro_steps = 0
         self._step_applied = False
-        #: the gradient norm of the last applied step (unscaled; None when the step needed none or was skipped)
-        self.global_grad_norm: float | None = None
+        self._grad_norm: float | None = None  # of the last step (record_step)
         self._no_sync = False
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         #: the detached losses of this global batch's micro-steps (the step's non-finite check reads them)
@@ -281,7 +280,7 @@ class Engine(torch.nn.Module):
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        return self.global_grad_norm
+        return self._grad_norm
 
     def was_step_applied(self) -> bool:
         return self._step_applied
@@ -430,6 +429,14 @@ class Engine(torch.nn.Module):
         ``state_dict()``, checkpoints and ``GatheredParameters`` wait on their own."""
         self.partitioner.wait_for_parameters()
 
+    def record_step(self, applied: bool, grad_norm: float | None = None) -> None:
+        """Account an optimizer step's outcome, for the ``zkit_optimizer_step`` answer that ran it: a
+        skipped step counts in ``skipped_steps``; ``grad_norm`` (unscaled; None when the step
+        computed none) is what :meth:`get_global_grad_norm` answers."""
+        if not applied:
+            self.skipped_steps += 1
+        self._grad_norm = grad_norm
+
     def needs_grad_norm(self) -> bool:
         """Whether a step computes the global gradient norm: for fp16's overflow check, for
         clipping, or because the user asked (``track_grad_norm``)."""
@@ -547,8 +554,8 @@ class Engine(torch.nn.Module):
         load = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format", _CHECKPOINTS).operation("load")
         with phases.phase("load_checkpoint"):
             return load(self, Path(load_dir), tag,
-                              load_optimizer_states=load_optimizer_states and not load_module_only,
-                              load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+                        load_optimizer_states=load_optimizer_states and not load_module_only,
+                        load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 
     def close(self) -> None:
         """Free plugin resources (swap files, threads) and monitors. Safe to call twice."""

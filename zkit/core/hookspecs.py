@@ -325,8 +325,8 @@ def zkit_optimizer_step(engine: Engine) -> bool | None:
 
     The built-in implementation (``trylast``) is :func:`zkit.train_loop.optimizer_step.apply_step`:
     global gradient norm and overflow check, loss-scale update, clipping, the partitioner's step,
-    the LR schedule, and the skipped-step policy (``nonfinite_steps_limit``); it sets
-    ``engine.global_grad_norm`` and counts ``engine.skipped_steps``. Wrap it
+    the LR schedule, and the skipped-step policy (``nonfinite_steps_limit``); it accounts the
+    outcome through ``engine.record_step``. Wrap it
     (``@hookimpl(wrapper=True)``) to time or profile the step; answer it to replace the step (a
     1-bit optimizer that exchanges momentum instead of gradients)."""
 

@@ -120,7 +120,8 @@ class ZkitPluginManager(pluggy.PluginManager):
         hook_name = "zkit_register_attention" if family == "attention" else f"zkit_register_{family}s"
         return self._named(hook_name, family, RECORD_OF_FAMILY[family], lambda r: (r.name, *r.aliases))
 
-    def _named(self, hook_name: str, kind: str, expected: type, keys: Callable[[Any], Iterable[str]]) -> dict[str, Any]:
+    def _named(self, hook_name: str, kind: str, expected: type,
+               keys: Callable[[Any], Iterable[str]]) -> dict[str, Any]:
         """``{key: record}`` of what a registration hook yields, each record stamped with its
         distribution: the one place a record of the wrong kind, or two records under one key, is
         refused naming both distributions."""

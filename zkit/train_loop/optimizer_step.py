@@ -34,10 +34,9 @@ def apply_step(engine: "Engine") -> bool:
     if scaler.enabled:
         scaler.update(overflow, engine.global_steps + 1)
     if overflow:
-        engine.skipped_steps += 1
-        engine.global_grad_norm = None
+        engine.record_step(applied=False)
         engine.partitioner.skip_step()
-        _count_skipped(engine)
+        _warn_or_stop(engine)
         return False
     engine.stash[NONFINITE_IN_A_ROW] = 0
     true_norm = norm / scale
@@ -45,7 +44,7 @@ def apply_step(engine: "Engine") -> bool:
     clip = engine.config.gradient_clipping
     if clip > 0 and true_norm > clip:
         factor *= clip / (true_norm + 1e-6)
-    engine.global_grad_norm = true_norm if needs_norm else None
+    engine.record_step(applied=True, grad_norm=true_norm if needs_norm else None)
     engine.partitioner.step(factor)
     engine.partitioner.zero_grad()
     if engine.lr_scheduler is not None:
@@ -83,7 +82,7 @@ def nonfinite_on_any_rank(engine: "Engine") -> bool:
     return bool(bad.item() > 0)
 
 
-def _count_skipped(engine: "Engine") -> None:
+def _warn_or_stop(engine: "Engine") -> None:
     """Say why a step was skipped; stop after ``nonfinite_steps_limit`` in a row in bf16/fp32 and
     with a static fp16 loss scale (a dynamic one shrinks until ``min_loss_scale`` stops the job)."""
     step = engine.global_steps + 1

@@ -53,7 +53,8 @@ class GridNorm:
             )
         # a master store that takes the gradients (NVMe offload) holds no reduced gradient in
         # memory to weigh: refused here when a step needs the norm (``needed``), not at that step
-        if self.by_name and needed and not partitioner.shows_reduced_grads:
+        self.unreadable = bool(self.by_name) and not partitioner.shows_reduced_grads
+        if self.unreadable and needed:
             raise ValueError(
                 "the global gradient norm of a tensor-parallel model or of weights tied across pipeline stages "
                 "(gradient clipping, fp16's overflow check) reads each parameter's reduced gradient, which "
@@ -65,7 +66,7 @@ class GridNorm:
 
     def __call__(self, stage_norm: torch.Tensor) -> torch.Tensor:
         sq = stage_norm.float().reshape(1) ** 2
-        if self.by_name and not self.partitioner.shows_reduced_grads:
+        if self.unreadable:
             # not needed at set-up (refused there otherwise): only engine.track_grad_norm, set since
             raise RuntimeError(
                 "engine.track_grad_norm asks for the global gradient norm of a tensor-parallel model or of weights "
