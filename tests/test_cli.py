@@ -50,6 +50,7 @@ def test_a_failing_rank_fails_the_job_with_its_error(tmp_path):
         import torch.distributed as dist, zkit
         from zkit.core import distributed
         distributed.ensure_initialized()
+        dist.barrier()  # the mesh is whole: rank 0 cannot fail connecting to a rank that exited
         if dist.get_rank() == 1:
             raise SystemExit("rank 1 gave up")
         dist.barrier()
@@ -95,6 +96,7 @@ def test_a_failing_rank_shows_its_traceback_in_the_summary(tmp_path):
         distributed.ensure_initialized()
         def load_batch():
             raise ValueError("batch 7 is corrupt")
+        dist.barrier()  # the mesh is whole: rank 0 cannot fail first, connecting to a rank that exited
         if dist.get_rank() == 1:
             load_batch()
         dist.barrier()
