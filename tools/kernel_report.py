@@ -1,4 +1,5 @@
-"""The kernel's shape in numbers: lines per package, import circles, function-local imports,
+"""The kernel's shape in numbers: lines per package (all lines, and code lines: neither blank, a
+comment nor a docstring), import circles, function-local imports,
 direct communicator constructions, and imports of plugin distributions from ``zkit/``.
 
     python tools/kernel_report.py            # table on stdout
@@ -30,8 +31,21 @@ def module_name(path: Path, src_root: Path) -> str:
     return ".".join(parts)
 
 
-def source_lines(path: Path) -> int:
-    return len(path.read_text().splitlines())
+def source_lines(path: Path) -> tuple[int, int]:
+    """``(all lines, code lines)``: code lines are neither blank, a comment nor a docstring (the
+    hook specs' docstrings are the plugin author's manual: the two figures tell code from manual)."""
+    text = path.read_text()
+    lines = text.splitlines()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    code = sum(1 for number, line in enumerate(lines, 1)
+               if line.strip() and not line.strip().startswith("#") and number not in docstrings)
+    return len(lines), code
 
 
 def resolve(node: ast.ImportFrom, module: str, is_package: bool) -> str:
@@ -144,15 +158,20 @@ def report(package_dir: Path, src_root: Path) -> dict:
                 if name == "TorchCommunicator":
                     constructions.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     packages: dict[str, int] = {}
+    code: dict[str, int] = {}
     for module, path in modules.items():
         parts = module.split(".")
         key = ".".join(parts[:2]) if path.name == "__init__.py" or len(parts) > 2 else parts[0]
         if path.name == "__init__.py" and len(parts) == 1:
             key = parts[0]
-        packages[key] = packages.get(key, 0) + source_lines(path)
+        lines, code_lines = source_lines(path)
+        packages[key] = packages.get(key, 0) + lines
+        code[key] = code.get(key, 0) + code_lines
     return {
         "lines": sum(packages.values()),
+        "code_lines": sum(code.values()),
         "packages": dict(sorted(packages.items())),
+        "package_code_lines": dict(sorted(code.items())),
         "circles": strongly_connected(graph),
         "circles_with_local_imports": strongly_connected(full_graph),
         "function_local_imports": sorted(set(local_imports)),
@@ -180,12 +199,13 @@ def main() -> None:
         print(json.dumps(result, indent=1))
         return
     total = sum(r["lines"] for r in result.values())
-    print(f"{'package':<34} {'lines':>6}")
+    total_code = sum(r["code_lines"] for r in result.values())
+    print(f"{'package':<34} {'lines':>6} {'code':>6}")
     for name, r in result.items():
         for pkg, lines in r["packages"].items():
-            print(f"{pkg:<34} {lines:>6}")
-        print(f"{'= ' + name:<34} {r['lines']:>6}")
-    print(f"{'= all source':<34} {total:>6}   zkit/ is {100 * result['zkit']['lines'] / total:.0f}%")
+            print(f"{pkg:<34} {lines:>6} {r['package_code_lines'][pkg]:>6}")
+        print(f"{'= ' + name:<34} {r['lines']:>6} {r['code_lines']:>6}")
+    print(f"{'= all source':<34} {total:>6} {total_code:>6}   zkit/ is {100 * result['zkit']['lines'] / total:.0f}%")
     for name, r in result.items():
         circles = r["circles"]
         full = r["circles_with_local_imports"]
