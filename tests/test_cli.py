@@ -58,7 +58,9 @@ def test_a_failing_rank_fails_the_job_with_its_error(tmp_path):
     ))
     out = _zkit("run", "--nproc", "2", "--master-port", "29612", str(script), cwd=tmp_path)
     assert out.returncode != 0
-    assert "rank 1 gave up" in out.stderr
+    summary = out.stderr[out.stderr.find("Root cause: "):]
+    assert summary.startswith("Root cause: rank 1 "), out.stderr[-3000:]
+    assert "SystemExit: rank 1 gave up" in summary
 
 
 def test_report_names_versions_and_simulator():
@@ -104,8 +106,8 @@ def test_a_failing_rank_shows_its_traceback_in_the_summary(tmp_path):
     ))
     out = _zkit("run", "--nproc", "2", str(script), cwd=tmp_path)
     assert out.returncode != 0
-    summary = out.stderr[out.stderr.find("Root Cause"):]
-    assert "traceback : Traceback (most recent call last)" in summary, out.stderr[-3000:]
+    summary = out.stderr[out.stderr.find("Root cause: rank 1 "):]
+    assert "\n  Traceback (most recent call last)" in summary, out.stderr[-3000:]
     assert "in load_batch" in summary and "ValueError: batch 7 is corrupt" in summary
     assert "NoneType: None" not in summary
 

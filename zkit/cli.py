@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import logging
 import os
 import platform
 import subprocess
 import sys
 from typing import Sequence
+
+from zkit.rank_failures import RankFailure, failure_summary, root_cause_rank
 
 
 def _blocked(values: Sequence[str]) -> list[str]:
@@ -113,6 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     nproc = args.nproc
     threads = args.threads_per_rank
@@ -134,8 +138,33 @@ def run(args: argparse.Namespace) -> int:
                   f"--master-port={_master_port(args)}"]
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
     os.environ["ZKIT_LAUNCHER_PID"] = str(os.getpid())  # ranks die with this process
-    torchrun.main([*targs, "-m", "zkit.rank_entry", args.script, *script_args])
+    # torchrun's own summary blames the first failure it observed, often a rank that lost its
+    # peer; ours names the root cause (zkit.rank_failures).
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_FirstObservedFilter())
+    try:
+        torchrun.run(torchrun.parse_args([*targs, "-m", "zkit.rank_entry", args.script, *script_args]))
+    except ChildFailedError as exc:
+        print(failure_summary(exc.failures), file=sys.stderr)
+        _pass_root_cause_up(exc.failures[root_cause_rank(exc.failures)])
+        return 1
     return 0
+
+
+class _FirstObservedFilter(logging.Filter):
+    """Drops torchrun's "failed (exitcode: ...) local_rank: ..." line: it names the first observed
+    failure, which the summary may show to be a consequence."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed (exitcode")
+
+
+def _pass_root_cause_up(failure: RankFailure) -> None:
+    """Under an outer torchelastic agent (this launcher is itself a worker), copy the root cause's
+    error file to ours, as torchrun's ``@record`` would copy its first observed failure's."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE") and failure.error_file != "<N/A>":
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        get_error_handler().dump_error_file(failure.error_file, failure.exitcode)
 
 
 def _master_port(args: argparse.Namespace) -> int:

@@ -3,8 +3,9 @@
 * The rank dies with its launcher. torchrun starts ranks in sessions of their own, so killing the
   launcher (``kill -9``, an out-of-memory kill, a lost terminal) would leave them training and
   writing checkpoints; Linux's parent-death signal ends them instead.
-* An uncaught exception is recorded in torchrun's error file, so the job's summary shows the
-  failing rank's traceback.
+* An uncaught exception, or ``sys.exit`` with a message or non-zero code, is recorded in
+  torchrun's error file, so the job's summary (``zkit.rank_failures``) shows the failing rank's
+  traceback.
 * The process group is torn down in order when the script returns, so a finished job exits 0 (an
   abandoned gloo group aborts some exits with "terminate called without an active exception").
 
@@ -49,7 +50,7 @@ def main() -> None:
     script = sys.argv[1]
     sys.argv = sys.argv[1:]
     sys.path[0] = os.path.dirname(os.path.abspath(script))
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
     @record
     def run_script() -> None:
@@ -57,6 +58,8 @@ def main() -> None:
             runpy.run_path(script, run_name="__main__")
         except SystemExit as exc:  # sys.exit(0) ends a script as well as returning does
             if exc.code not in (None, 0):
+                # @record passes a SystemExit on unrecorded: record it, so the summary shows its message.
+                ErrorHandler().record_exception(exc)
                 raise
         tear_down_process_group()
 

@@ -34,6 +34,8 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
+from zkit.rank_failures import is_secondary
+
 
 class RanksFailed(RuntimeError):
     """A rank raised; the message holds its traceback."""
@@ -88,10 +90,6 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, threads, env, results, 
     dist.destroy_process_group()
 
 
-# A rank whose peer died fails inside a collective with one of these; it is a consequence, not the cause.
-_SECONDARY = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Timed out waiting")
-
-
 def _failure_report(name: str, failures: dict[int, str], results: Any, procs: list, returned: set[int],
                     grace: float = 3.0) -> str:
     """Collect the other ranks' failures for a moment, put the root cause first, and say what became
@@ -114,7 +112,7 @@ def _failure_report(name: str, failures: dict[int, str], results: Any, procs: li
     lines = {}
     for r, proc in enumerate(procs):
         if r in failures:
-            order = 2 if any(s in failures[r] for s in _SECONDARY) else 0
+            order = 2 if is_secondary(failures[r]) else 0  # one that follows from a dead peer
             lines[r] = (order, f"rank {r} of {name} failed:\n{failures[r]}")
         else:
             order = 3 if r in returned or proc.exitcode is None else 1
