@@ -64,6 +64,20 @@ FEATURES: dict[str, str] = {
                    "parallelism: no gradient is reduced)",
     "compile": "the module's forward compiled by engine.compile(backend=zkit.testing.CountingBackend()) after "
                "initialize (aot_eager; the engine's hooks, reductions and step stay eager)",
+    "overlap_gather": "zero_optimization.overlap_param_gather (stage 2 unless a stage is given): the parameter "
+                      "all-gathers after each step run in the background and the next forward waits for each unit "
+                      "at the first use of one of its parameters; as documented it applies at stages 1-2 over "
+                      "several replicas, and has no effect (initialize warns) at stage 3 (parameters are gathered "
+                      "per forward) or with one data-parallel replica (pipeline, tensor parallelism: nothing to "
+                      "gather)",
+    "offload_states": "after each step, engine.offload_states() then engine.reload_states() (DeepSpeed's calls): "
+                      "every kind of state the engine holds on its device moved to host buffers, its storages "
+                      "emptied, then brought back (with offload_optimizer the master and optimizer state are on "
+                      "the host already and stay there)",
+    "predivide": "gradient_predivide_factor 2.0: each rank's gradients are divided by 2 before a summing "
+                 "reduction and multiplied by 2/world after it (DeepSpeed's key), in place of the averaging "
+                 "reduction; dividing by a power of two is exact in every dtype, so the pair keeps its "
+                 "reference's tolerance",
     "pipeline_dp": "zkit-pipeline: a PipelineModule of 2 stages x 2 data-parallel replicas on 4 ranks (run as a "
                    "group of its own, against the 2-rank references)",
 }
@@ -110,6 +124,8 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
                                  ("zerooneadam", f"stage {stage[-1]}")) for stage in STAGES},
     **{(offload, "zeroone_adam"): ("offload is a ZeRO stage (as above)", ("zerooneadam", "stage"))
        for offload in ("cpu_offload", "param_offload")},
+    ("zeroone_adam", "overlap_gather"): ("overlap_param_gather runs at stage 2 unless a stage is given (as above)",
+                                         ("zerooneadam", "stage 2")),
     ("nvme_offload", "zeroone_adam"): ("as for onebit_adam: state swapped from NVMe is stepped sub-group by "
                                        "sub-group", ("zerooneadam", "nvme")),
     ("zero1", "step_in_backward"): ("stage 1 keeps the master in memory: there is no sub-group of master and "
@@ -147,7 +163,12 @@ NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"),
                      ("cpu_offload", "step_in_backward"), ("nvme_offload", "step_in_backward"),
                      ("save_load", "dcp_checkpoint"), ("custom_comm", "onebit_comm")}
 #: pairs the matrix does not run, and the test that covers them (or why none does)
-ELSEWHERE: dict[tuple[str, str], str] = {}
+ELSEWHERE: dict[tuple[str, str], str] = {
+    ("param_offload", "offload_states"): ("initialize accepts it: offload_states() is a call made later, which "
+                                          "refuses parameters that already live off the device, as DeepSpeed's "
+                                          "does (tests/test_offload_states.py::"
+                                          "test_offloaded_parameters_and_no_optimizer_are_refused)"),
+}
 
 
 def pairs() -> list[tuple[str, str]]:
@@ -230,6 +251,9 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
         if "step_in_backward" in features:
             zero["offload_optimizer"]["step_in_backward"] = True
+    if "overlap_gather" in features:
+        zero["stage"] = zero["stage"] or 2
+        zero["overlap_param_gather"] = True
     # a global batch of 4 rows: one data-parallel replica takes them in 2 micro-batches of 2
     micro, accum = (2, 2) if replicas(features) == 1 else (2, 1)
     if "grad_accum" in features:
@@ -247,6 +271,8 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     if "clipping" in features:
         cfg["gradient_clipping"] = 0.05
+    if "predivide" in features:
+        cfg["gradient_predivide_factor"] = 2.0
     if "act_ckpt" in features:
         cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     if "onebit_adam" in features:

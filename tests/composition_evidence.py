@@ -131,6 +131,36 @@ def _sparse(model: torch.nn.Module) -> str | None:
     return None if any(isinstance(m, SparseSelfAttention) for m in model.modules()) else "no block-sparse attention"
 
 
+def _overlap_gather(engine: Any, run: dict) -> str | None:
+    """At stages 1-2 over several replicas the parameters were gathered in the background and
+    waited for (composition_ranks.count_gathers); elsewhere the setting has no effect, as
+    documented: there is nothing to gather after the step."""
+    p, counts = _partitioner(engine), run["gathers"]
+    applies = p.stage in (1, 2) and p.world > 1
+    if counts["refresh"][-1] != applies:
+        return f"background gathers {counts['refresh'][-1]} at stage {p.stage} over {p.world} replicas"
+    if applies and (counts["background"] == 0 or counts["waited"] == 0):
+        return f"{counts['background']} units gathered in the background, {counts['waited']} waited for"
+    return None
+
+
+def _offloaded(run: dict) -> str | None:
+    """Each offload_states() call moved bytes off the device and emptied their storages."""
+    calls = run.get("offloaded", [])
+    if not calls:
+        return "offload_states() was never called"
+    for kinds, nbytes, emptied in calls:
+        if not kinds or nbytes == 0 or not emptied:
+            return f"offload_states() moved {nbytes} bytes of {kinds} (storages emptied: {emptied})"
+    return None
+
+
+def _predivided(engine: Any) -> str | None:
+    p = _partitioner(engine)
+    got = (getattr(p, "reduce_op", None), getattr(p, "pre_scale", None))
+    return None if got == ("sum", 0.5) else f"gradients reduced with (op, pre-scale) {got}, not ('sum', 0.5)"
+
+
 #: feature -> check(engine, model, run) where ``run`` holds what the run recorded (its recompute
 #: counter, its allocator's count, the steps it took); a feature absent here leaves no trace to check
 CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
@@ -166,6 +196,9 @@ CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
     "compile": lambda e, m, r: ("the engine's module is not compiled" if not e.is_compiled
                                 else None if sum(b.graphs for b in r["backends"]) > 0 or r.get("probed_only")
                                 else "torch.compile was handed no graph"),
+    "overlap_gather": lambda e, m, r: _overlap_gather(e, r),
+    "offload_states": lambda e, m, r: _offloaded(r),
+    "predivide": lambda e, m, r: _predivided(e),
     # the fuzzer's features (composition_fuzz_model.py)
     "zero_init": lambda e, m, r: (None if r["init_partitioned"] or e.zero_optimization_stage() != 3
                                   else "zero.Init at stage 3 built whole parameters"),

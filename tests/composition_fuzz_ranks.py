@@ -68,15 +68,17 @@ def _micro_batches(engine, features: tuple[str, ...], cfg: dict, step: int) -> l
     return out
 
 
-def _train(engine, features, cfg, steps, micro=slice(None)) -> None:
+def _train(engine, features, cfg, steps, run: dict, micro=slice(None)) -> None:
     for step in steps:
         batches = _micro_batches(engine, features, cfg, step)[micro]
         if is_pipeline(features):
             engine.train_batch(iter(batches))
-            continue
-        for xs, ys in batches:
-            engine.backward(loss(engine(xs), ys))
-            engine.step()
+        else:
+            for xs, ys in batches:
+                engine.backward(loss(engine(xs), ys))
+                engine.step()
+        if micro.stop is None:  # a step ended (not the first half of a batch before a save)
+            composition_ranks.between_steps(engine, features, run)
 
 
 def _stages_missing(features: tuple[str, ...], mine: list[str], model: torch.nn.Module) -> list[str]:
@@ -103,7 +105,7 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
                          if "partial_freeze" in features else {})
         where = f"{ckpt_root}/{'-'.join(features)}"
         if {"save_load", "dcp_checkpoint", "reshard"} & set(features):
-            _train(engine, features, cfg, range(STEPS - 1))
+            _train(engine, features, cfg, range(STEPS - 1), run)
             load_cfg = fuzz.resharded(cfg, features) if "reshard" in features else cfg
             run["saved_stage"] = cfg["zero_optimization"]["stage"]
             try:  # refusing to save, or to load what was saved, is not silent either
@@ -114,7 +116,7 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
             except Exception as exc:  # noqa: BLE001 - the refusal is the result
                 return {"refused_checkpoint": f"{type(exc).__name__}: {exc}"}
             run["loaded_steps"] = engine.global_steps
-            _train(engine, features, load_cfg, range(STEPS - 1, STEPS))
+            _train(engine, features, load_cfg, range(STEPS - 1, STEPS), run)
         elif "ds_import" in features:  # DeepSpeed took the first steps
             from composition_fuzz_peer import run_name
 
@@ -125,10 +127,10 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
             run["loaded_steps"] = engine.global_steps
             # one micro-step in all is the one the engine's FLOP probe runs eagerly (zkit.core.compile)
             run["probed_only"] = cfg["gradient_accumulation_steps"] == 1
-            _train(engine, features, cfg, range(STEPS - 1, STEPS))
+            _train(engine, features, cfg, range(STEPS - 1, STEPS), run)
         elif "save_mid_accum" in features:
-            _train(engine, features, cfg, range(STEPS - 1))
-            _train(engine, features, cfg, [STEPS - 1], micro=slice(0, 1))
+            _train(engine, features, cfg, range(STEPS - 1), run)
+            _train(engine, features, cfg, [STEPS - 1], run, micro=slice(0, 1))
             try:
                 engine.save_checkpoint(where)
             except Exception as exc:  # noqa: BLE001 - refusing to save half a batch is not silent either
@@ -137,9 +139,9 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str, ds_root: str
             engine, model = _engine(features, cfg, run)
             engine.load_checkpoint(where)
             run["loaded_micro_steps"] = engine.micro_steps
-            _train(engine, features, cfg, [STEPS - 1], micro=slice(1, None))
+            _train(engine, features, cfg, [STEPS - 1], run, micro=slice(1, None))
         else:
-            _train(engine, features, cfg, range(STEPS))
+            _train(engine, features, cfg, range(STEPS), run)
         params = named_params(model)
         run["frozen_unchanged"] = all(torch.equal(params[n], p) for n, p in frozen_before.items() if n in params)
         # a resharded run's engine is the loading one: its stage is the reshard's, checked there

@@ -12,7 +12,22 @@ from composition_models import batch, build, is_pipeline, loss, named_params
 STEPS = 3
 
 
-def _train(engine, features: tuple[str, ...], cfg: dict, steps: range) -> None:
+def between_steps(engine, features: tuple[str, ...], run: dict | None) -> None:
+    """What a cell does between two steps: with ``offload_states``, move the engine's states off
+    its device and back, recording in ``run`` the kinds and bytes that were away."""
+    if "offload_states" not in features:
+        return
+    from zkit.zero.offload_states import held
+
+    engine.offload_states()
+    away = held(engine.partitioner)
+    if run is not None:
+        emptied = all(m.storage.nbytes() == 0 for m in away.moved)
+        run.setdefault("offloaded", []).append((engine.partitioner.offloaded_states(), away.nbytes(), emptied))
+    engine.reload_states()
+
+
+def _train(engine, features: tuple[str, ...], cfg: dict, steps: range, run: dict | None = None) -> None:
     micro, accum = cfg["train_micro_batch_size_per_gpu"], cfg["gradient_accumulation_steps"]
     replicas = matrix.replicas(features)
     replica = 0 if replicas == 1 else torch.distributed.get_rank() % replicas
@@ -27,10 +42,11 @@ def _train(engine, features: tuple[str, ...], cfg: dict, steps: range) -> None:
         assert len(batches) == accum
         if is_pipeline(features):
             engine.train_batch(iter(batches))
-            continue
-        for xs, ys in batches:
-            engine.backward(loss(engine(xs), ys))
-            engine.step()
+        else:
+            for xs, ys in batches:
+                engine.backward(loss(engine(xs), ys))
+                engine.step()
+        between_steps(engine, features, run)
 
 
 class CountingAllocator:
@@ -102,6 +118,8 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
     if stack:
         kwargs["stack"] = zkit.Stack(**stack)
     engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
+    if "overlap_gather" in features:
+        count_gathers(engine, run)
     if "compile" in features:
         import torch._dynamo as dynamo
 
@@ -120,6 +138,32 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
         # probe runs eagerly (zkit.core.compile)
         run.setdefault("backends", []).append(backend)
     return engine, model
+
+
+def count_gathers(engine, run: dict) -> None:
+    """Count in ``run`` the units all-gathered in the background (``overlap_param_gather``), those
+    waited for, and the waits for one unit at its first use in a forward, over every engine of the
+    cell (a loading engine waits for its gathers at the load); ``refresh`` says per engine whether
+    it gathers in the background."""
+    refresh = getattr(getattr(engine, "partitioner", None), "refresh", None)
+    counts = run.setdefault("gathers", {"background": 0, "waited": 0, "first_use": 0, "refresh": []})
+    counts["refresh"].append(refresh is not None)
+    if refresh is None:
+        return
+    start, wait = refresh.start, refresh.wait
+
+    def counted_start(launch_all):
+        start(launch_all)
+        counts["background"] += len(refresh.pending)
+
+    def counted_wait(unit=None):
+        pending = len(refresh.pending)
+        if unit is not None and unit in refresh.pending:  # a parameter of the unit reached a torch call
+            counts["first_use"] += 1
+        wait(unit)
+        counts["waited"] += pending - len(refresh.pending)
+
+    refresh.start, refresh.wait = counted_start, counted_wait
 
 
 def save(engine, where: str, *, dcp: bool, run: dict) -> str:
@@ -157,9 +201,9 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
         return {"refused": f"{type(exc).__name__}: {exc}"}
     try:
         if "save_load" not in features and "dcp_checkpoint" not in features:
-            _train(engine, features, cfg, range(STEPS))
+            _train(engine, features, cfg, range(STEPS), run)
         else:  # train, save, and go on in a new engine that loads the checkpoint
-            _train(engine, features, cfg, range(STEPS - 1))
+            _train(engine, features, cfg, range(STEPS - 1), run)
             where = f"{ckpt_root}/{'-'.join(features)}"
             try:  # refusing to save, or to load what was saved, is not silent either
                 where = save(engine, where, dcp="dcp_checkpoint" in features, run=run)
@@ -169,7 +213,7 @@ def _run(features: tuple[str, ...], nvme_path: str, ckpt_root: str) -> dict:
             except Exception as exc:  # noqa: BLE001 - the refusal is the result
                 return {"refused_checkpoint": f"{type(exc).__name__}: {exc}"}
             run["loaded_steps"] = engine.global_steps
-            _train(engine, features, cfg, range(STEPS - 1, STEPS))
+            _train(engine, features, cfg, range(STEPS - 1, STEPS), run)
         return {"params": named_params(model), "missing": missing(features, engine, model, run)}
     except Exception:  # noqa: BLE001 - a crash after initialize is what the matrix must not have
         return {"crashed": traceback.format_exc(limit=8)}

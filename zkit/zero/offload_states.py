@@ -203,6 +203,9 @@ def offload_states(part: "ZeroPartitioner", include: Iterable[Any] | None = None
         return
     if where == OffloadDeviceEnum.nvme.value:
         raise ValueError("offload_states(device='nvme') is not supported: states are offloaded to cpu memory only")
+    # overlap_param_gather: the step's all-gathers may still be writing into the parameters'
+    # buffers, which must not be emptied under them
+    part.wait_for_parameters()
     state = held(part)
     done = {m.storage._cdata for m in state.moved}
     pin = pin_memory and _accelerator() is not None

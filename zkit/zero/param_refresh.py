@@ -34,6 +34,18 @@ from zkit.core.communicator import Handle
 _IN_FLIGHT: "weakref.WeakSet[ParamRefresh]" = weakref.WeakSet()
 
 
+def without_effect(stage: int, world: int) -> str | None:
+    """Why ``overlap_param_gather`` has nothing to overlap at ``stage`` over ``world`` replicas
+    (said at initialize, not ignored), or ``None`` where it applies."""
+    if stage == 0:
+        return "ZeRO stage 0 keeps whole parameters on every rank: there is no parameter all-gather to overlap"
+    if stage == 3:
+        return "ZeRO stage 3 gathers each parameter inside forward (stage3_prefetch_bucket_size sets how far ahead)"
+    if world == 1:
+        return "one data-parallel replica holds every shard: there is no parameter all-gather to overlap"
+    return None
+
+
 def wait_for_parameter_refresh() -> None:
     """Wait for every background parameter all-gather of this process."""
     for refresh in list(_IN_FLIGHT):

@@ -12,6 +12,7 @@ unit: the fp32 master copy and the optimizer state of those elements. Stage 0 ow
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Any
 
 import torch
@@ -25,7 +26,9 @@ from zkit.zero.config import zero_config
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.init import GatheredParameters
 from zkit.zero.memory_store import InMemoryMasterStore, fuses
-from zkit.zero.param_refresh import ParamRefresh
+from zkit.zero.param_refresh import ParamRefresh, without_effect
+
+log = logging.getLogger("zkit")
 
 _COMM_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -85,11 +88,14 @@ class ZeroPartitioner(Partitioner):
         self.allocator.check_optimizer(self.optimizer, self.ctx.optimizer.name)
         self.master_store.bind(self.optimizer, self.owned)
         full_state.register(self)  # safe_get_full_fp32_param(param) and friends find this partitioner
-        gathers = self.shards_states and self.world > 1 and self.stage in (1, 2)
+        no_overlap = without_effect(self.stage, self.world)
+        if zc.overlap_param_gather and no_overlap:
+            log.warning("zero_optimization.overlap_param_gather has no effect here: %s; it applies at stages 1-2 "
+                        "over several data-parallel replicas", no_overlap)
         #: background parameter all-gathers (``overlap_param_gather``), else None: gathers in step()
         self.refresh = (
             ParamRefresh(self.module, self.unit_params)
-            if gathers and zc.overlap_param_gather
+            if zc.overlap_param_gather and not no_overlap
             else None
         )
         self._hooks = [
