@@ -287,14 +287,19 @@ def partition_rank():
     reference = _grads(model)
     ckpt.configure(_fake_engine(alloc, partition_activations=True, cpu_checkpointing=True), group=TorchCommunicator())
     ckpt.apply(model, "every")
+    return checked_step(model, reference, alloc)
+
+
+def checked_step(model, reference, alloc) -> tuple[bool, int]:
+    """One forward and backward of the batch ``_grads`` takes: whether the gradients equal
+    ``reference``, and the activation bytes stored between the two."""
     ids = torch.randint(0, CFG.vocab_size, (2, CFG.seq_len), generator=torch.Generator().manual_seed(1))
     model.zero_grad(set_to_none=True)
     torch.manual_seed(5)
     loss = model(ids, ids)
     stored = alloc.stats()["activation"]["live"]
     loss.backward()
-    same = all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters()))
-    return same, stored
+    return all(torch.equal(a, p.grad) for a, p in zip(reference, model.parameters())), stored
 
 
 def test_partition_activations_splits_saved_inputs_over_the_group():

@@ -4,6 +4,7 @@
 * :mod:`~zkit.activations.storage`: where a checkpoint's saved inputs are kept (host copies,
   a shard per tensor-parallel rank, one contiguous arena);
 * :mod:`~zkit.activations.rng`: extra RNG streams restored for recomputation;
+* :mod:`~zkit.activations.tracing`: which regions ``torch.compile`` traces into its graph;
 * :mod:`~zkit.activations.policy`: wrapping a model's blocks by policy, and undoing it.
 """
 from zkit.activations.checkpointing import apply

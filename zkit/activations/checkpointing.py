@@ -10,6 +10,8 @@ used in several regions gets its gradient accumulated once, by the single backwa
 ZeRO's gradient hooks fire once per parameter. The RNG state is restored for recomputation, so
 dropout draws the same masks (the default generators, and zkit-pipeline's tensor-parallel
 stream, see :mod:`zkit.activations.rng`). What the DeepSpeed keys do is in ``docs/memory.md``.
+Under ``torch.compile`` a region compiles into the surrounding graph unless an option needs
+bookkeeping around it (:mod:`zkit.activations.tracing`).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from zkit.activations.policy import CheckpointWrapper, Policy, remove, select_bl
 from zkit.activations.rng import TrackerStates, register_rng_tracker
 from zkit.activations.settings import CheckpointSettings, as_communicator, assembly_of, section_from
 from zkit.activations.storage import InputStore
+from zkit.activations.tracing import eager_reasons
 from zkit.core.config.load import _read_json
 
 log = logging.getLogger("zkit.activations.checkpointing")
@@ -55,6 +58,7 @@ class _State:
     #: region name -> [calls, forward seconds, recomputations, recompute seconds]
     profile: dict[str, list[float]] = {}
     group_stores: dict[int, InputStore] = {}
+    warned: set[tuple[str, ...]] = set()  # the reasons already logged for running regions eagerly
 
 
 @runtime_checkable
@@ -158,6 +162,7 @@ def reset() -> None:
     _State.configured = False
     _State.profile = {}
     _State.group_stores = {}
+    _State.warned = set()
 
 
 def profile_report() -> dict[str, dict[str, float]]:
@@ -233,6 +238,36 @@ def checkpoint_call(
             f"the reentrant checkpoint takes positional arguments only, got keyword(s) {', '.join(kwargs)}; "
             "use the default use_reentrant=False"
         )
+    eager = eager_reasons(_State.settings, group, preserve_rng_state)
+    if not eager:
+        # nothing to time, store or replay: torch's checkpoint alone, which Dynamo traces into
+        # the surrounding graph (zkit.activations.tracing)
+        return torch_checkpoint.checkpoint(
+            function, *args, use_reentrant=use_reentrant, preserve_rng_state=preserve_rng_state, **kwargs
+        )
+    under_compile = tuple(eager) if torch.compiler.is_compiling() else ()
+    return _checkpoint_with_bookkeeping(
+        function, args, kwargs, use_reentrant, preserve_rng_state, group, name, under_compile
+    )
+
+
+def _warn_eager_under_compile(reasons: tuple[str, ...]) -> None:
+    if reasons and reasons not in _State.warned:
+        _State.warned.add(reasons)
+        log.warning(
+            "torch.compile: checkpointed regions run eagerly, each at a graph break, because of %s; "
+            "without these the regions compile into the surrounding graph", " and ".join(reasons),
+        )
+
+
+# Under torch.compile the region runs eagerly at a graph break of its own (torch's checkpoint, called
+# outside a trace, runs its function eagerly anyway); traced, the counters would become guards.
+@torch.compiler.disable
+def _checkpoint_with_bookkeeping(
+    function: Callable[..., Any], args: tuple, kwargs: dict[str, Any], use_reentrant: bool,
+    preserve_rng_state: bool, group: Any, name: str | None, under_compile: tuple[str, ...] = (),
+) -> Any:
+    _warn_eager_under_compile(under_compile)
     store = _store_for(group)
     s = store.settings
     label = name or getattr(function, "__qualname__", type(function).__name__)
