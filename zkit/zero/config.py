@@ -92,7 +92,9 @@ class ZeroConfig:
         False,
         doc="Stages 1-2: all-gather the updated parameters in the background after the optimizer "
         "step; the next forward waits for each parameter just before its first use. Code that reads "
-        "parameters between step() and the next forward calls engine.wait_for_parameters() first.",
+        "parameters between step() and the next forward calls engine.wait_for_parameters() first. "
+        "At stage 0, stage 3 or with one data-parallel replica there is nothing to overlap: "
+        "initialize warns that it has no effect.",
     )
     load_from_fp32_weights: bool = setting(
         True,
