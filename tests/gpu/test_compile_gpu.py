@@ -1,5 +1,5 @@
 """On a CUDA device: ``engine.compile()`` with inductor (the default backend) trains stages 0-2
-with the eager run's losses, and ``contrib/bench/bench_gpu.py`` runs every contestant on a small
+with the eager run's losses, also with every block checkpointed (one graph, no break), and ``contrib/bench/bench_gpu.py`` runs every contestant on a small
 model with traces (the check to run before the full benchmark). Skipped with a reason without CUDA."""
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import zkit
+from zkit.activations.checkpointing import apply as checkpoint_blocks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -26,11 +27,14 @@ from bench_gpu_model import PlainGPT, Shape  # noqa: E402
 SHAPE = Shape(layers=2, width=128, heads=4, vocab=1024, seq=128)
 
 
-def _train(stage: int, compiled: bool) -> list[float]:
+def _train(stage: int, compiled: bool, checkpointed: bool = False) -> list[float]:
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
            "zero_optimization": {"stage": stage}, "steps_per_print": 10**6}
-    engine, *_ = zkit.initialize(model=PlainGPT(SHAPE), config=cfg)
+    model = PlainGPT(SHAPE)
+    if checkpointed:
+        assert checkpoint_blocks(model, "every") == [f"blocks.{i}" for i in range(SHAPE.layers)]
+    engine, *_ = zkit.initialize(model=model, config=cfg)
     if compiled:
         engine.compile()
     g = torch.Generator().manual_seed(1)
@@ -49,6 +53,13 @@ def _train(stage: int, compiled: bool) -> list[float]:
 @pytest.mark.parametrize("stage", (0, 1, 2))
 def test_inductor_trains_stages_0_to_2_as_eager(stage):
     assert _train(stage, True) == pytest.approx(_train(stage, False), rel=1e-4)
+
+
+def test_inductor_compiles_checkpointed_blocks_into_the_graph_with_eager_losses():
+    eager = _train(2, False, checkpointed=True)
+    torch._dynamo.utils.counters.clear()
+    assert _train(2, True, checkpointed=True) == pytest.approx(eager, rel=1e-4)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
 
 
 def test_the_gpu_benchmark_runs_every_contestant_on_a_small_model(tmp_path):

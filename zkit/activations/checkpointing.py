@@ -229,7 +229,8 @@ def checkpoint_call(
     name: str | None = None,
 ) -> Any:
     """:func:`checkpoint` with the function's arguments passed as a tuple and a dict."""
-    if not callable(function):
+    # Dynamo cannot trace callable() on a wrapped forward (compiled, a non-callable fails when called)
+    if not torch.compiler.is_compiling() and not callable(function):
         raise TypeError(f"checkpoint needs a callable, got {type(function).__name__}")
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)  # nothing is saved for backward: nothing to recompute
