@@ -34,6 +34,16 @@ FEATURES: dict[str, str] = {
     "grad_accum": "2 micro-batches of half the size per step",
     "clipping": "gradient_clipping 0.05",
     "act_ckpt": "activation checkpointing of each block (zkit.activations.checkpointing, cpu_checkpointing)",
+    "act_ckpt_plain": "activation checkpointing of each block through zkit.activations.checkpointing with the "
+                      "activation_checkpointing section present and every option off: each region is torch's "
+                      "non-reentrant checkpoint alone (traced into the compiled graph under compile). The run "
+                      "shows that no region needed the eager bookkeeping path and that blocks were recomputed "
+                      "in backward (with compile: that the compiled graphs hold the checkpointed regions; where a "
+                      "region holds what Dynamo cannot trace, block_sparse's CPU kernel or tensor_parallel's "
+                      "collectives, torch runs the whole region eagerly at a graph break, and its recomputation "
+                      "in backward is the trace). A seeded tensor-parallel RNG tracker "
+                      "(zkit_pipeline.model_parallel_seed) would send the regions down the eager path; "
+                      "tensor_parallel here does not seed it",
     "onebit_adam": "zkit-onebit's OneBitAdam in its warm-up (freeze_step past the run: the 1-bit phase's "
                    "own tests compare it with its simulation)",
     "client_sgd": "a client torch.optim.SGD instance (momentum 0.9) passed to initialize",
@@ -86,6 +96,9 @@ NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "zeroone_adam", "client_s
             "block_sparse")
 #: features with a model of a transformer's layers (the others train the residual network)
 GPT_FEATURES = ("block_sparse", "tied_weights")
+#: features whose blocks hold what Dynamo cannot trace (zkit-sparse's CPU kernel, the tensor-parallel
+#: linears' collectives): under compile a checkpointed block of theirs runs eagerly as a whole
+UNTRACEABLE_BLOCKS = ("block_sparse", "tensor_parallel")
 #: cells that run on 4 ranks, in a process group of their own: those with a feature of FOUR_RANKS,
 #: and those with every feature of a set in FOUR_RANK_PAIRS (2 stages x 2 tensor ranks)
 FOUR_RANKS = ("pipeline_dp",)
@@ -156,12 +169,13 @@ REFUSED_AT_CHECKPOINT: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
 }
 #: two values of one setting, not a combination: the stage pairs and bf16 x fp16 must be refused
 #: by the config; the two offload devices (step_in_backward is NVMe offload with one more key), the
-#: two 1-bit optimizers, the two pipeline layouts, the two checkpoint formats and the two
-#: communicators a Stack chooses are one key's (or one model's, or one argument's) two values
+#: two 1-bit optimizers, the two pipeline layouts, the two checkpoint formats, the two
+#: communicators a Stack chooses and the two activation_checkpointing sections are one key's (or
+#: one model's, or one argument's, or one section's) two values
 NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"), ("bf16", "fp16"),
                      ("cpu_offload", "nvme_offload"), ("onebit_adam", "zeroone_adam"), ("pipeline", "pipeline_dp"),
                      ("cpu_offload", "step_in_backward"), ("nvme_offload", "step_in_backward"),
-                     ("save_load", "dcp_checkpoint"), ("custom_comm", "onebit_comm")}
+                     ("save_load", "dcp_checkpoint"), ("custom_comm", "onebit_comm"), ("act_ckpt", "act_ckpt_plain")}
 #: pairs the matrix does not run, and the test that covers them (or why none does)
 ELSEWHERE: dict[tuple[str, str], str] = {
     ("param_offload", "offload_states"): ("initialize accepts it: offload_states() is a call made later, which "
@@ -275,6 +289,10 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
         cfg["gradient_predivide_factor"] = 2.0
     if "act_ckpt" in features:
         cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
+    if "act_ckpt_plain" in features:  # DeepSpeed's keys, each off: what a default section gives
+        cfg["activation_checkpointing"] = {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False,
+                                           "synchronize_checkpoint_boundary": False, "profile": False}
     if "onebit_adam" in features:
         cfg["optimizer"] = {"type": "OneBitAdam", "params": {"lr": 1e-2, "freeze_step": 100}}
     if "zeroone_adam" in features:

@@ -11,6 +11,8 @@ from typing import Any, Callable
 
 import torch
 
+from zkit.testing import CountingBackend
+
 STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
 
 
@@ -23,8 +25,25 @@ class RecomputeCounter:
             module.register_forward_hook(self._hook)
 
     def _hook(self, module, args, output) -> None:
+        # while Dynamo traces a forward the hook does nothing: the call it would make is a graph
+        # break at every module, and a compiled forward's recomputation is the compiled backward's
+        if torch.compiler.is_compiling():
+            return
         if torch._C._current_graph_task_id() != -1:  # a backward pass is running
             self.recomputes += 1
+
+
+class RegionCountingBackend(CountingBackend):
+    """zkit.testing.CountingBackend that also counts the checkpointed regions Dynamo traced into
+    the graphs it was handed (torch's checkpoint operator): a region that ran eagerly, at a graph
+    break, is not among them."""
+
+    regions = 0
+
+    def __call__(self, gm: Any, example_inputs: Any) -> Any:
+        tag = torch.ops.higher_order.tag_activation_checkpoint
+        self.regions += sum(n.op == "call_function" and n.target is tag for n in gm.graph.nodes)
+        return super().__call__(gm, example_inputs)
 
 
 def _partitioner(engine: Any) -> Any:
@@ -155,6 +174,24 @@ def _offloaded(run: dict) -> str | None:
     return None
 
 
+def _plain_checkpoint(run: dict) -> str | None:
+    """No checkpointed region needed the eager bookkeeping path (the settings in force, and no
+    seeded RNG tracker to replay), and blocks were recomputed: under compile, as regions inside
+    the compiled graphs (a region Dynamo cannot trace runs eagerly as a whole, at a graph break:
+    then, and without compile, as forwards run in backward)."""
+    from zkit.activations import checkpointing
+    from zkit.activations.tracing import eager_reasons
+
+    reasons = eager_reasons(checkpointing.settings(), None, True)
+    if reasons:
+        return f"the regions ran on the eager path because of {reasons}"
+    if sum(getattr(b, "regions", 0) for b in run.get("backends", [])) > 0:
+        return None
+    if run.get("backends") and not run.get("probed_only") and not run.get("untraceable_blocks"):
+        return "no checkpointed region was traced into a compiled graph"
+    return None if run["recompute"].recomputes > 0 else "no block was recomputed in backward"
+
+
 def _predivided(engine: Any) -> str | None:
     p = _partitioner(engine)
     got = (getattr(p, "reduce_op", None), getattr(p, "pre_scale", None))
@@ -178,6 +215,7 @@ CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
     "clipping": lambda e, m, r: (None if (e.get_global_grad_norm() or 0) > 0.05
                                  else f"the gradient norm {e.get_global_grad_norm()} was never clipped"),
     "act_ckpt": lambda e, m, r: None if r["recompute"].recomputes > 0 else "no block was recomputed in backward",
+    "act_ckpt_plain": lambda e, m, r: _plain_checkpoint(r),
     "onebit_adam": lambda e, m, r: _optimizer(e, "OneBitAdam"),
     "zeroone_adam": lambda e, m, r: _optimizer(e, "ZeroOneAdam"),
     "client_sgd": lambda e, m, r: _client_sgd(e),

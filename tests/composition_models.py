@@ -70,6 +70,11 @@ def gpt_config(features: tuple[str, ...]):
                      tie_embeddings="tied_weights" in features)
 
 
+def checkpoints(features: tuple[str, ...]) -> bool:
+    """Whether each block runs through zkit's activation checkpointing (either section)."""
+    return "act_ckpt" in features or "act_ckpt_plain" in features
+
+
 def is_gpt(features: tuple[str, ...]) -> bool:
     return any(f in matrix.GPT_FEATURES for f in features)
 
@@ -96,7 +101,7 @@ class Net(torch.nn.Module):
     def __init__(self, features: tuple[str, ...]) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(layers(features))
-        self.ckpt = "act_ckpt" in features
+        self.ckpt = checkpoints(features)
         if "tied_weights" in features:
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
@@ -185,7 +190,7 @@ def build(features: tuple[str, ...]) -> torch.nn.Module:
         stage_layers = [split_mlps(layer, tp) if isinstance(layer, torch.nn.Module) else layer  # not a spec
                         for layer in stage_layers]
     return PipelineModule(stage_layers, num_stages=2, loss_fn=loss, partition_method=partition, topology=grid,
-                          activation_checkpoint_interval=1 if "act_ckpt" in features else 0)
+                          activation_checkpoint_interval=1 if checkpoints(features) else 0)
 
 
 def _whole(model: torch.nn.Module, group) -> dict[str, torch.Tensor]:

@@ -90,12 +90,13 @@ def onebit_record():
 def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model=None, **kwargs):
     """The engine of a cell; ``run`` collects what the evidence checks read (composition_evidence)."""
     import zkit
-    from composition_evidence import RecomputeCounter
+    from composition_evidence import RecomputeCounter, RegionCountingBackend
 
     model = build(features) if model is None else model
     run = {} if run is None else run
     run["recompute"] = RecomputeCounter(model)
     run["compresses"] = matrix.compresses(features)
+    run["untraceable_blocks"] = bool(set(matrix.UNTRACEABLE_BLOCKS) & set(features))
     run["replicas"] = matrix.replicas(features)
     run["accum_base"] = matrix.config(tuple(f for f in features if f != "grad_accum"), "")[
         "gradient_accumulation_steps"]
@@ -123,12 +124,10 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
     if "compile" in features:
         import torch._dynamo as dynamo
 
-        from zkit.testing import CountingBackend
-
         # the cells of one process compile the same forwards: past Dynamo's recompile limit for a
         # code object, a forward would run uncompiled and the cell would test nothing
         dynamo.reset()
-        backend = CountingBackend()
+        backend = RegionCountingBackend()
         try:
             engine.compile(backend=backend)
         except Exception:
