@@ -9,7 +9,8 @@ never left hanging), and says of each other rank whether it returned, still ran,
 traceback (its exit code or signal); a rank that returns keeps its end of the group open until
 every rank has returned, so that a function needing no collective never fails a slower rank. A job
 that does not finish within ``timeout`` seconds raises :class:`RanksTimedOut` naming the ranks that
-had not finished. The function must be importable by name (module level): ranks
+had not finished. :class:`CountingCommunicator` (with :func:`counting_communicator_record`) is a
+third-party communicator for tests: torch's, counting its calls. The function must be importable by name (module level): ranks
 start as fresh interpreters would, never as forks of the caller (a fork of a process that ran torch's
 thread pool hangs in it).
 
@@ -32,8 +33,10 @@ import signal
 import socket
 import time
 import traceback
+from collections import Counter
 from typing import Any, Callable, Sequence
 
+from zkit.core.communicator import Communicator
 from zkit.rank_failures import is_secondary
 
 
@@ -243,3 +246,92 @@ class CountingBackend:
 
         self.graphs += 1
         return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+
+
+class CountingCommunicator(Communicator):
+    """A third-party communicator for tests: delegates every collective to ``inner`` (torch's) and
+    counts the calls by kind in ``calls``; ``built`` lists the process groups one was built for in
+    this process (``None``: the default group). The byte counters are ``inner``'s: one count per wire."""
+
+    built: list[Any] = []
+
+    def __init__(self, inner: Communicator, group: Any = None) -> None:
+        super().__init__(inner.rank, inner.world_size)
+        self.inner, self.group, self.calls = inner, group, Counter()
+        CountingCommunicator.built.append(group)
+
+    def __getattr__(self, name: str) -> Any:  # what torch's communicator has beyond the protocol
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def account(self, kind: str, nbytes: int) -> None:
+        self.inner.account(kind, nbytes)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return self.inner.stats()
+
+    def reset_stats(self) -> None:
+        self.inner.reset_stats()
+
+    def _call(self, kind: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls[kind] += 1
+        return getattr(self.inner, kind)(*args, **kwargs)
+
+    def all_reduce(self, tensor, op="sum", async_op=False, key=None):
+        return self._call("all_reduce", tensor, op=op, async_op=async_op, key=key)
+
+    def reduce_scatter(self, output, input, op="sum", async_op=False, key=None):
+        return self._call("reduce_scatter", output, input, op=op, async_op=async_op, key=key)
+
+    def all_gather(self, output, input, async_op=False):
+        return self._call("all_gather", output, input, async_op=async_op)
+
+    def all_to_all(self, output, input, async_op=False):
+        return self._call("all_to_all", output, input, async_op=async_op)
+
+    def broadcast(self, tensor, src, async_op=False):
+        return self._call("broadcast", tensor, src, async_op=async_op)
+
+    def send(self, tensor, dst):
+        return self._call("send", tensor, dst)
+
+    def recv(self, tensor, src):
+        return self._call("recv", tensor, src)
+
+    def isend(self, tensor, dst):
+        return self._call("isend", tensor, dst)
+
+    def irecv(self, tensor, src):
+        return self._call("irecv", tensor, src)
+
+    def barrier(self):
+        return self._call("barrier")
+
+    def all_gather_object(self, obj):
+        return self._call("all_gather_object", obj)
+
+    def coalesced(self):
+        return self.inner.coalesced()
+
+    def subgroup(self, ranks):
+        sub = self.inner.subgroup(ranks)
+        return CountingCommunicator(sub, getattr(sub, "group", None))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def counting_communicator_record(name: str = "counting") -> Any:
+    """A communicator record (for ``zkit.Stack(communicator=...)``) whose factory wraps torch's
+    communicator in a :class:`CountingCommunicator`, for every process group."""
+    from zkit.core.plugin_manager import get_plugin_manager
+    from zkit.core.records import CommunicatorRecord
+
+    torch_record = get_plugin_manager().lookup("communicator", "torch")
+
+    def factory(group: Any, config: Any) -> CountingCommunicator:
+        return CountingCommunicator(torch_record.factory(group, config), group)
+
+    return CommunicatorRecord(name=name, factory=factory, dist="tests")

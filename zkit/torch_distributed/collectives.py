@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (>= 2.4) have only the old names.
-_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 KINDS = ("native", "per_rank")
 #: ``per_rank`` on 4 ranks or more: reduce-scatters below this many elements per rank are native
@@ -69,7 +69,7 @@ class FlatCollectives:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, rank: int, ranks: list[int], group: Any) -> Any:
         """Start the all-gather of ``input`` into ``output``; its work (or ``None`` in a batch)."""
         if self.kind == "native":
-            return _all_gather_flat(output, input, group=group, async_op=True)
+            return all_gather_flat(output, input, group=group, async_op=True)
         chunks = output.view(len(ranks), -1)
         own = chunks[rank]
         if own.data_ptr() != input.data_ptr():
@@ -80,7 +80,7 @@ class FlatCollectives:
                        group: Any) -> Any:
         """Start the reduce-scatter of ``input`` into ``output``; its work."""
         if self.kind == "native" or input.numel() < self.native_reduce_scatter_below:
-            return _reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
+            return reduce_scatter_flat(output, input, op=op, group=group, async_op=True)
         # The reduces work in place, so chunks of ``input`` that other ranks own end up undefined.
         chunks = input.view(len(ranks), -1)
         works = [dist.reduce(chunks[k], dst=ranks[k], op=op, group=group, async_op=True) for k in range(len(ranks))]

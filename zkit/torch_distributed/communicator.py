@@ -12,6 +12,7 @@ import torch.distributed as dist
 import zkit
 from zkit.torch_distributed import diagnostics
 from zkit.torch_distributed import collectives
+from zkit.torch_distributed import traced_collectives as traced
 from zkit.core.communicator import Communicator, DoneHandle, check_op
 from zkit.core.records import CommunicatorRecord
 
@@ -163,6 +164,11 @@ class TorchCommunicator(Communicator):
         return work, None
 
     def all_reduce(self, tensor, op="sum", async_op=False, key=None):
+        if traced.tracing():  # inside a compiled graph: no counters, no fingerprint (see traced_collectives)
+            check_op(op)
+            if self.world_size > 1:
+                traced.all_reduce(tensor, op, self.group, self.world_size, self.flat.native_avg)
+            return DoneHandle() if async_op else None
         self.account("all_reduce", self.ring_bytes("all_reduce", _nbytes(tensor)))
         self.fingerprints.record("all_reduce", tensor)
         if self.world_size == 1:
@@ -174,6 +180,13 @@ class TorchCommunicator(Communicator):
 
     def reduce_scatter(self, output, input, op="sum", async_op=False, key=None):
         _check_sizes("reduce_scatter", output, input, self.world_size)
+        if traced.tracing():
+            check_op(op)
+            if self.world_size == 1:
+                output.copy_(input)
+            else:
+                traced.reduce_scatter(output, input, op, self.group, self.world_size, self.flat.native_avg)
+            return DoneHandle() if async_op else None
         self._check_batched(async_op)
         self.account("reduce_scatter", self.ring_bytes("reduce_scatter", _nbytes(input)))
         self.fingerprints.record("reduce_scatter", input)
@@ -187,6 +200,12 @@ class TorchCommunicator(Communicator):
 
     def all_gather(self, output, input, async_op=False):
         _check_sizes("all_gather", input, output, self.world_size)
+        if traced.tracing():
+            if self.world_size == 1:
+                output.copy_(input)
+            else:
+                traced.all_gather(output, input, self.group)
+            return DoneHandle() if async_op else None
         self._check_batched(async_op)
         self.account("all_gather", self.ring_bytes("all_gather", _nbytes(output)))
         self.fingerprints.record("all_gather", output)
