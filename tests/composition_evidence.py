@@ -198,6 +198,18 @@ def _predivided(engine: Any) -> str | None:
     return None if got == ("sum", 0.5) else f"gradients reduced with (op, pre-scale) {got}, not ('sum', 0.5)"
 
 
+def _reduced_in_bf16(run: dict) -> str | None:
+    """Every gradient reduction went out in bf16 (the partitioner's spied communicator,
+    composition_ranks.record_reduced_dtypes), and over several replicas there were some; with one
+    replica at stages 0-1 none happen, as documented: the setting has no effect there."""
+    if any(d != torch.bfloat16 for d in run["comm_dtypes"]):
+        return f"the partitioners reduce in {run['comm_dtypes']}"
+    dtypes = set(run["reduced_dtypes"])
+    if run["replicas"] == 1 and not dtypes:  # stages 0-1 on one replica reduce nothing
+        return None
+    return None if dtypes == {torch.bfloat16} else f"gradients were reduced in {dtypes or 'nothing'}, not bfloat16"
+
+
 #: feature -> check(engine, model, run) where ``run`` holds what the run recorded (its recompute
 #: counter, its allocator's count, the steps it took); a feature absent here leaves no trace to check
 CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
@@ -237,6 +249,7 @@ CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
     "overlap_gather": lambda e, m, r: _overlap_gather(e, r),
     "offload_states": lambda e, m, r: _offloaded(r),
     "predivide": lambda e, m, r: _predivided(e),
+    "comm_bf16": lambda e, m, r: _reduced_in_bf16(r),
     # the fuzzer's features (composition_fuzz_model.py)
     "zero_init": lambda e, m, r: (None if r["init_partitioned"] or e.zero_optimization_stage() != 3
                                   else "zero.Init at stage 3 built whole parameters"),

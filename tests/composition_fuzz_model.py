@@ -163,7 +163,7 @@ def checkpoint_refusal_words(pair: tuple[str, ...]) -> tuple[str, ...]:
 def reference_of(features: tuple[str, ...]) -> tuple[str, ...]:
     """The numerics and model features: the run a set must equal. A client optimizer wins over
     the config's optimizer section."""
-    kept = tuple(f for f in features if f in NUMERICS)
+    kept = matrix.numerics(features, NUMERICS)
     if "client_sgd" in kept:
         kept = tuple(f for f in kept if f not in OPTIMIZERS)
     return kept
@@ -204,9 +204,12 @@ def rounding_decided(features: tuple[str, ...], numel: int) -> tuple[int, float]
     at most 6 of 2096, with tensor parallelism), each at most ``2 * lr`` apart per step (each run's
     step is within 1.004 lr in the first 3 steps: Cauchy-Schwarz over Adam's bias-corrected
     averages); every other element keeps the tolerance. bf16 rounds the same way, coarser: ZeRO 2
-    with bf16 accumulated over the tied GPT ends one element (of 2096) one step apart. A defect (a
+    with bf16 accumulated over the tied GPT ends one element (of 2096) one step apart; comm_bf16
+    rounds each reduced gradient the same way (ranks' gradients that nearly cancel: the rounding
+    decides the sign of their sum). A defect (a
     gradient scaled, unscaled or summed twice) moves whole tensors, not 1% of the model."""
-    if not {"fp16", "bf16"} & set(features) or not set(REORDERS_FP16_SUMS) & set(features):
+    sixteen_bit = {"fp16", "bf16"} & set(features) or ("comm_bf16" in features and matrix.reduces(features))
+    if not sixteen_bit or not set(REORDERS_FP16_SUMS) & set(features):
         return None
     if {"lamb", "client_sgd"} & set(features):  # not Adam: no sign-like first steps
         return None

@@ -121,6 +121,8 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
     engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
     if "overlap_gather" in features:
         count_gathers(engine, run)
+    if "comm_bf16" in features:
+        record_reduced_dtypes(engine, run)
     if "compile" in features:
         import torch._dynamo as dynamo
 
@@ -137,6 +139,24 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
         # probe runs eagerly (zkit.core.compile)
         run.setdefault("backends", []).append(backend)
     return engine, model
+
+
+def record_reduced_dtypes(engine, run: dict) -> None:
+    """Record in ``run`` the dtype of every gradient reduction (a reduction keyed ``grad/<unit>``
+    by the partitioner) of every engine of the cell, as the engine's communicator is handed it."""
+    partitioner = getattr(engine, "partitioner", None)
+    comm = getattr(partitioner, "comm", None)
+    dtypes = run.setdefault("reduced_dtypes", [])
+    run.setdefault("comm_dtypes", []).append(getattr(partitioner, "comm_dtype", None))
+    if comm is None:
+        return
+    for kind, tensor_at in (("all_reduce", 0), ("reduce_scatter", 1)):
+        def spied(*args, _call=getattr(comm, kind), _at=tensor_at, **kwargs):
+            if str(kwargs.get("key") or "").startswith("grad/"):
+                dtypes.append(args[_at].dtype)
+            return _call(*args, **kwargs)
+
+        setattr(comm, kind, spied)  # on the instance: whatever communicator the stack chose
 
 
 def count_gathers(engine, run: dict) -> None:

@@ -60,11 +60,13 @@ class ZeroPartitioner(Partitioner):
         comm_type = getattr(ctx.config, "communication_data_type", None)
         self.comm_dtype = _COMM_DTYPES[comm_type] if comm_type else ctx.dtype
         accum = ctx.config.grad_accum_dtype  # data_types.grad_accum_dtype
-        #: dtype gradients accumulate in over micro-steps (stages 2-3: the reduced shards)
-        self.accum_dtype = _COMM_DTYPES[accum] if accum else self.comm_dtype
-        if self.accum_dtype != self.comm_dtype and self.stage < 2:
+        #: dtype gradients accumulate in over micro-steps (stages 2-3: the reduced shards); by
+        #: default the training dtype, as DeepSpeed's: a 16-bit communication dtype rounds each
+        #: reduction, not the sum of a batch's micro-steps (nor the fp32 master's .grad)
+        self.accum_dtype = _COMM_DTYPES[accum] if accum else self.dtype
+        if self.accum_dtype != self.dtype and self.stage < 2:
             raise ValueError(
-                f"data_types.grad_accum_dtype {accum!r} differs from the {str(self.comm_dtype).replace('torch.', '')} "
+                f"data_types.grad_accum_dtype {accum!r} differs from the {str(self.dtype).replace('torch.', '')} "
                 f"gradients of ZeRO stage {self.stage}, which accumulate in the parameters' own .grad; use "
                 f"stage 2 or 3 (reduced shards accumulate in {accum}) or leave grad_accum_dtype unset"
             )
