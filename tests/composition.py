@@ -39,9 +39,9 @@ FEATURES: dict[str, str] = {
                       "non-reentrant checkpoint alone (traced into the compiled graph under compile). The run "
                       "shows that no region needed the eager bookkeeping path and that blocks were recomputed "
                       "in backward (with compile: that the compiled graphs hold the checkpointed regions; where a "
-                      "region holds what Dynamo cannot trace, block_sparse's CPU kernel or tensor_parallel's "
-                      "collectives, torch runs the whole region eagerly at a graph break, and its recomputation "
-                      "in backward is the trace). A seeded tensor-parallel RNG tracker "
+                      "region holds what Dynamo cannot trace, block_sparse's CPU kernel, torch runs the whole "
+                      "region eagerly at a graph break, and its recomputation in backward is the trace). A seeded "
+                      "tensor-parallel RNG tracker "
                       "(zkit_pipeline.model_parallel_seed) would send the regions down the eager path; "
                       "tensor_parallel here does not seed it",
     "onebit_adam": "zkit-onebit's OneBitAdam in its warm-up (freeze_step past the run: the 1-bit phase's "
@@ -104,9 +104,9 @@ NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "zeroone_adam", "client_s
             "block_sparse", "comm_bf16")
 #: features with a model of a transformer's layers (the others train the residual network)
 GPT_FEATURES = ("block_sparse", "tied_weights")
-#: features whose blocks hold what Dynamo cannot trace (zkit-sparse's CPU kernel, the tensor-parallel
-#: linears' collectives): under compile a checkpointed block of theirs runs eagerly as a whole
-UNTRACEABLE_BLOCKS = ("block_sparse", "tensor_parallel")
+#: features whose blocks hold what Dynamo cannot trace (zkit-sparse's CPU kernel): under compile a
+#: checkpointed block of theirs runs eagerly as a whole
+UNTRACEABLE_BLOCKS = ("block_sparse",)
 #: cells that run on 4 ranks, in a process group of their own: those with a feature of FOUR_RANKS,
 #: and those with every feature of a set in FOUR_RANK_PAIRS (2 stages x 2 tensor ranks)
 FOUR_RANKS = ("pipeline_dp",)
