@@ -32,6 +32,27 @@ def test_no_gradient_memory_between_steps(dtype):
             )
 
 
+def test_fake_tensors_a_compiled_checkpoint_keeps_alive_count_nothing():
+    """A reentrant checkpoint under torch.compile leaves fake tensors alive whose data pointer raises:
+    the walk over live tensors skips them instead of failing."""
+    import torch._dynamo
+
+    from zkit.activations.checkpointing import checkpoint
+
+    lin = torch.nn.Linear(16, 16)
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    run = torch.compile(lambda t: checkpoint(lin, t, use_reentrant=True), backend="aot_eager")
+    run(x).sum().backward()
+    torch._dynamo.reset()
+    try:
+        before = live_tensor_bytes()
+        extra = torch.zeros(100)
+        assert live_tensor_bytes() - before == 400
+        del extra
+    finally:
+        torch._dynamo.reset()
+
+
 def test_live_tensor_bytes_counts_each_storage_once():
     before = live_tensor_bytes()
     base = torch.zeros(1000)

@@ -24,9 +24,11 @@ def live_tensor_bytes(device: str | torch.device | None = None) -> int:
             return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # sparse or otherwise storage-less tensors
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):
+            # sparse or otherwise storage-less tensors, and the fake tensors a torch.compile'd
+            # module's caches keep alive (they hold no memory)
             return
-        ptr = storage.data_ptr()
         if ptr:
             seen[(str(t.device), ptr)] = storage.nbytes()
 
