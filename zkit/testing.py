@@ -9,8 +9,7 @@ never left hanging), and says of each other rank whether it returned, still ran,
 traceback (its exit code or signal); a rank that returns keeps its end of the group open until
 every rank has returned, so that a function needing no collective never fails a slower rank. A job
 that does not finish within ``timeout`` seconds raises :class:`RanksTimedOut` naming the ranks that
-had not finished. :class:`CountingCommunicator` (with :func:`counting_communicator_record`) is a
-third-party communicator for tests: torch's, counting its calls. The function must be importable by name (module level): ranks
+had not finished. The function must be importable by name (module level): ranks
 start as fresh interpreters would, never as forks of the caller (a fork of a process that ran torch's
 thread pool hangs in it).
 
@@ -22,6 +21,10 @@ rank starts in a fraction of a second. Each rank still receives the caller's env
 ``sys.path`` as of the call. What a forked rank does not get afresh: a variable read only when a
 process starts (glibc's ``MALLOC_*``), and its own copy of torch's pages, which a memory cgroup the
 rank joins does not count. Benchmarks that measure memory therefore keep ``spawn``.
+
+Also here for tests: :class:`CountingBackend` (a ``torch.compile`` backend counting graphs) and
+:class:`CountingCommunicator` with :func:`counting_communicator_record` (a third-party
+communicator: torch's, counting its calls).
 """
 from __future__ import annotations
 

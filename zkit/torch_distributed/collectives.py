@@ -27,6 +27,8 @@ all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_in
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 KINDS = ("native", "per_rank")
+#: zkit's reduce ops other than ``avg`` (``zkit.core.communicator.REDUCE_OPS``) -> the backend's
+_BACKEND_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 #: ``per_rank`` on 4 ranks or more: reduce-scatters below this many elements per rank are native
 NATIVE_REDUCE_SCATTER_PER_RANK = 384 * 1024
 
@@ -60,6 +62,13 @@ class FlatCollectives:
     kind: str = attrs.field(validator=attrs.validators.in_(KINDS))
     native_avg: bool = False
     native_reduce_scatter_below: int = 0
+
+    def reduce_op(self, op: str) -> tuple[Any, bool]:
+        """The backend's reduce op for zkit's ``op``, and whether the result must still be divided
+        by the group's size (``avg`` where the backend lacks it: a sum, then the division)."""
+        if op == "avg":
+            return (dist.ReduceOp.AVG, False) if self.native_avg else (dist.ReduceOp.SUM, True)
+        return _BACKEND_OPS[op], False
 
     @property
     def coalesces(self) -> bool:

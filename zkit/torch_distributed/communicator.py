@@ -16,9 +16,6 @@ from zkit.torch_distributed import traced_collectives as traced
 from zkit.core.communicator import Communicator, DoneHandle, check_op
 from zkit.core.records import CommunicatorRecord
 
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
 class _AvgHandle:
     """Completes an ``avg`` the backend lacks (gloo): sum, then divide once the sum is done."""
 
@@ -156,18 +153,14 @@ class TorchCommunicator(Communicator):
     def _reduce(self, tensor: torch.Tensor, op: str, run) -> Any:
         """Run a reducing collective, doing ``avg`` as sum + divide where the backend lacks it."""
         check_op(op)
-        if op == "avg" and self.flat.native_avg:
-            return run(dist.ReduceOp.AVG), None
-        work = run(_OPS["sum" if op == "avg" else op])
-        if op == "avg":
-            return work, (lambda w: _AvgHandle(w, tensor, self.world_size))
-        return work, None
+        backend_op, divide = self.flat.reduce_op(op)
+        return run(backend_op), ((lambda w: _AvgHandle(w, tensor, self.world_size)) if divide else None)
 
     def all_reduce(self, tensor, op="sum", async_op=False, key=None):
         if traced.tracing():  # inside a compiled graph: no counters, no fingerprint (see traced_collectives)
             check_op(op)
             if self.world_size > 1:
-                traced.all_reduce(tensor, op, self.group, self.world_size, self.flat.native_avg)
+                traced.all_reduce(tensor, op, self.group, self.world_size, self.flat)
             return DoneHandle() if async_op else None
         self.account("all_reduce", self.ring_bytes("all_reduce", _nbytes(tensor)))
         self.fingerprints.record("all_reduce", tensor)
@@ -185,7 +178,7 @@ class TorchCommunicator(Communicator):
             if self.world_size == 1:
                 output.copy_(input)
             else:
-                traced.reduce_scatter(output, input, op, self.group, self.world_size, self.flat.native_avg)
+                traced.reduce_scatter(output, input, op, self.group, self.world_size, self.flat)
             return DoneHandle() if async_op else None
         self._check_batched(async_op)
         self.account("reduce_scatter", self.ring_bytes("reduce_scatter", _nbytes(input)))

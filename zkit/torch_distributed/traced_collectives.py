@@ -27,32 +27,23 @@ import torch
 import torch.distributed as dist
 
 from zkit.torch_distributed import collectives
-
-_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
+from zkit.torch_distributed.collectives import FlatCollectives
 
 def tracing() -> bool:
     """Whether Dynamo is tracing this call (then the collectives below stand in for eager ones)."""
     return torch.compiler.is_compiling()
 
 
-def _backend_op(op: str, native_avg: bool) -> tuple[Any, bool]:
-    """(torch reduce op, divide by the world size afterwards)."""
-    if op == "avg":
-        return (dist.ReduceOp.AVG, False) if native_avg else (dist.ReduceOp.SUM, True)
-    return _OPS[op], False
-
-
-def all_reduce(tensor: torch.Tensor, op: str, group: Any, world_size: int, native_avg: bool) -> None:
-    backend_op, divide = _backend_op(op, native_avg)
+def all_reduce(tensor: torch.Tensor, op: str, group: Any, world_size: int, flat: FlatCollectives) -> None:
+    backend_op, divide = flat.reduce_op(op)
     dist.all_reduce(tensor, op=backend_op, group=group)
     if divide:
         tensor.div_(world_size)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str, group: Any, world_size: int,
-                   native_avg: bool) -> None:
-    backend_op, divide = _backend_op(op, native_avg)
+                   flat: FlatCollectives) -> None:
+    backend_op, divide = flat.reduce_op(op)
     collectives.reduce_scatter_flat(output, input, op=backend_op, group=group)
     if divide:
         output.div_(world_size)
