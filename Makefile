@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PACKAGES := -e ".[test]" -e plugins/zkit-offload -e plugins/zkit-onebit -e plugins/zkit-pipeline \
-            -e plugins/zkit-sparse -e "cuda_numba[ptx]" -e "plugins/zkit-deepspeed[hf,all]"
+            -e plugins/zkit-sparse -e plugins/zkit-sequence -e "cuda_numba[ptx]" -e "plugins/zkit-deepspeed[hf,all]"
 NPROC ?= 2
 STEPS ?= 200
 # The real DeepSpeed, in its own environment: tests compare against it and import its checkpoints

@@ -16,7 +16,7 @@ def test_every_hook_is_documented_and_current():
 
 
 def test_every_plugin_has_a_readme_with_install_and_use():
-    for dist in ["plugins/zkit-offload", "plugins/zkit-onebit", "plugins/zkit-pipeline", "plugins/zkit-sparse", "cuda_numba"]:
+    for dist in ["plugins/zkit-offload", "plugins/zkit-onebit", "plugins/zkit-pipeline", "plugins/zkit-sparse", "plugins/zkit-sequence", "cuda_numba"]:
         readme = (ROOT / dist / "README.md").read_text()
         assert "pip install" in readme, dist
 

@@ -54,7 +54,9 @@ Rules the loader applies to every section, including sections that plugins own:
 `train_batch_size = train_micro_batch_size_per_gpu * gradient_accumulation_steps * world_size`.
 Any two determine the third. `train_batch_size` alone means 1 accumulation step and
 `train_batch_size / world_size` per rank; `train_micro_batch_size_per_gpu` alone means 1
-accumulation step. At least one of those two is required. Values that do not divide evenly are an
+accumulation step. At least one of those two is required. With `sequence_parallel_size` above 1,
+`world_size` is the data-parallel replicas, the world divided by it (the ranks that split one
+sequence count once), as in DeepSpeed. Values that do not divide evenly are an
 error (DeepSpeed floors them):
 `train_batch_size 16 != train_micro_batch_size_per_gpu 3 * gradient_accumulation_steps 2 * world size 2 (= 12)`.
 

@@ -140,6 +140,9 @@ class Engine(torch.nn.Module):
         setup_comm = self.assembly.communicator(dp_group)  # a third party's too, when chosen
         broadcast_module(self.module, setup_comm, src)
         setup_comm.reset_stats()  # the first traffic of a new assembly: comm_stats() counts training's
+        #: the process group of the ranks that split each sequence with this one
+        #: (``sequence_parallel_size`` > 1, set up by a plugin answering ``zkit_sequence_parallel``), else None
+        self.sequence_parallel_group = self._sequence_parallel()
 
         #: built without an optimizer: forward and eval only (backward/step say so)
         self.inference_only = False
@@ -186,6 +189,18 @@ class Engine(torch.nn.Module):
         self.pm.hook.zkit_engine_setup(engine=self)
         if self.config.dump_state and self.rank == 0:
             self._dump_state()
+
+    def _sequence_parallel(self) -> Any:
+        size = self.config.sequence_parallel_size
+        if size == 1:
+            return None
+        group = self.pm.hook.zkit_sequence_parallel(engine=self, size=size)
+        if group is None:
+            raise ValueError(
+                f"config key 'sequence_parallel_size' is {size}, but no plugin provides sequence parallelism (none "
+                f"answers the hook zkit_sequence_parallel): pip install zkit-sequence, or set it to 1"
+            )
+        return group
 
     def _dump_state(self) -> None:
         """``dump_state``: what this engine was built from, once, on rank 0."""
@@ -391,7 +406,7 @@ class Engine(torch.nn.Module):
         self._require_on_device("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.config.world_size
         if not boundary:
             return
         self.run_optimizer_step()
@@ -417,7 +432,7 @@ class Engine(torch.nn.Module):
         loss in the step line and monitors."""
         m = self.gradient_accumulation_steps()
         self.micro_steps += m
-        self.global_samples += self.train_micro_batch_size_per_gpu() * self.world_size * m
+        self.global_samples += self.train_micro_batch_size_per_gpu() * self.config.world_size * m
         self.global_steps += 1
         self.batch_losses = [loss.detach().float().reshape(())]
         self._after_step()

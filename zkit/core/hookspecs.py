@@ -222,6 +222,20 @@ def zkit_engine_setup(engine: Engine) -> None:
     memory that building freed (``ZKIT_HOST_MALLOC``, :mod:`zkit.host_memory`)."""
 
 
+@hookspec(firstresult=True)
+def zkit_sequence_parallel(engine: Engine, size: int) -> Any:
+    """Set up sequence parallelism for an engine whose config's ``sequence_parallel_size`` is
+    ``size`` (> 1) and return the torch.distributed process group of this rank's sequence-parallel
+    ranks: ranks ``r * size`` to ``r * size + size - 1`` split one sequence between them and count
+    as one data-parallel replica in the batch sizes; the partitioner still shards over every rank.
+    Called once per engine (collective: every rank calls it), after ``engine.assembly`` exists
+    and before the partitioner is built; the engine keeps the answer as
+    ``engine.sequence_parallel_group``. The answer makes the model compute on slices of each
+    sequence (zkit-sequence binds its Ulysses attention and its loss to the group's communicator)
+    and refuses, here, at initialize, what it cannot run. No answer is an error naming the key.
+    First non-None answer wins."""
+
+
 @hookspec
 def zkit_prepare_model(model: torch.nn.Module, stage: int, world_size: int) -> None:
     """Called once per engine before it casts the model to its dtype and device and partitions

@@ -35,6 +35,7 @@ KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
     ("allocator", "host"): "zkit-offload",
     ("allocator", "nvme"): "zkit-offload",
     ("attention", "block_sparse"): "zkit-sparse",
+    ("attention", "ulysses"): "zkit-sequence",
     ("scheduler", "1f1b"): "zkit-pipeline",
     ("scheduler", "gpipe"): "zkit-pipeline",
     ("scheduler", "interleaved_1f1b"): "zkit-pipeline",

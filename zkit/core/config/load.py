@@ -96,7 +96,8 @@ def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord]) -
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a JSON object, got {data!r}")
     raw = copy.deepcopy(data)
-    tb, micro, gas = resolve_batch(data.get(TB), data.get(MICRO), data.get(GAS), world_size)
+    replicas = world_size // _sequence_parallel_size(data.get(SP), world_size)
+    tb, micro, gas = resolve_batch(data.get(TB), data.get(MICRO), data.get(GAS), replicas)
     data = {**data, TB: tb, MICRO: micro, GAS: gas}
     ctx = Context(sections=records, blocked={
         path: owner for path, owner in builtin_section_owners().items() if path not in records
@@ -108,11 +109,27 @@ def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord]) -
             ctx.found[path] = structure(record.schema, {}, path, ctx)
     return attrs.evolve(
         config,
-        world_size=world_size,
+        world_size=replicas,
         raw=raw,
         plugin_sections=ctx.found,
         section_records=records,
     )
+
+
+#: DeepSpeed's key for the ranks that split one sequence: they are one data-parallel replica
+SP = "sequence_parallel_size"
+
+
+def _sequence_parallel_size(value: Any, world_size: int) -> int:
+    """``sequence_parallel_size`` (default 1), which must divide the ``world_size`` ranks."""
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError.at(SP, f"must be an int >= 1, got {value!r}")
+    if world_size % value:
+        raise ConfigError.at(SP, f"{value} does not divide the world of {world_size} ranks: each sequence is split "
+                                 f"over {SP} ranks, and the rest are data-parallel replicas")
+    return value
 
 
 def builtin_section_paths(cls: type = ZkitConfig, path: str = "") -> dict[str, type]:

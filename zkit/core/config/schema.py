@@ -94,6 +94,13 @@ class ZkitConfig:
     sparse_gradients: bool = setting(
         False, unimplemented=True, doc="Reduce embedding gradients as sparse tensors."
     )
+    sequence_parallel_size: int = setting(
+        1,
+        check=at_least(1),
+        doc="Ranks that split each sequence between them (Ulysses sequence parallelism, DeepSpeed's key): ranks "
+        "r * size .. r * size + size - 1 hold one sequence's slices, and the batch sizes count world / size "
+        "data-parallel replicas. Above 1 it needs a plugin providing sequence parallelism (zkit-sequence).",
+    )
     dataloader_drop_last: bool = setting(
         False, doc="Drop the last incomplete batch of engine-built data loaders."
     )
@@ -134,7 +141,8 @@ class ZkitConfig:
         doc="DeepSpeed Compression (quantization/pruning during training).",
     )
 
-    #: the data-parallel world size the batch sizes were resolved for
+    #: the data-parallel world size the batch sizes were resolved for (the ranks given to
+    #: ``load_config`` divided by ``sequence_parallel_size``: the ranks of one sequence count once)
     world_size: int = internal(1)
     #: the dict the user gave, unchanged
     raw: dict = internal(attrs.Factory(dict))

@@ -1,0 +1,52 @@
+"""zkit plugin entry point of zkit-sequence: the ``ulysses`` attention record, and the engine's
+sequence parallelism (``sequence_parallel_size`` > 1) through the hook ``zkit_sequence_parallel``."""
+from __future__ import annotations
+
+from typing import Any
+
+import zkit
+from zkit.core.records import AttentionRecord
+
+from zkit_sequence import __version__
+from zkit_sequence.attention import UlyssesAttention, make_ulysses_attention
+from zkit_sequence.binding import bind_model
+from zkit_sequence.groups import GROUPS, build_groups
+
+
+@zkit.hookimpl
+def zkit_register_attention():
+    yield AttentionRecord(
+        name="ulysses",
+        factory=make_ulysses_attention,
+        description="Ulysses sequence parallelism around another attention record (inner=...): all-to-alls "
+                    "swap sequence slices for heads",
+    )
+
+
+@zkit.hookimpl
+def zkit_sequence_parallel(engine: Any, size: int) -> Any:
+    """Build the sequence and data-parallel groups, bind the model's sequence-parallel parts, and
+    refuse what they cannot run, at initialize."""
+    module = engine.module
+    if getattr(module, "data_parallel_group", None) is not None:
+        # the engine's protocol for a model split over a grid of its own (zkit-pipeline)
+        raise ValueError(
+            f"sequence_parallel_size {size} with a model that brings its own data-parallel group "
+            f"({type(module).__name__}: zkit-pipeline's pipeline or tensor parallelism) is not supported: sequence "
+            f"parallelism splits the whole world into sequence groups; use one or the other"
+        )
+    groups = build_groups(size, engine.assembly.communicator)
+    bind_model(module, groups.comm)
+    if not any(isinstance(m, UlyssesAttention) for m in module.modules()):
+        raise ValueError(
+            f"sequence_parallel_size {size}: the model has no sequence-parallel attention, so each rank would attend "
+            f"over its slice of the sequence only; build its attention with "
+            f"zkit.core.attention.build_attention('ulysses', inner=..., num_heads=...) (zkit-sequence)"
+        )
+    engine.stash[GROUPS] = groups
+    return groups.sequence
+
+
+@zkit.hookimpl
+def zkit_report():
+    yield "zkit-sequence", f"{__version__}: Ulysses attention ('ulysses'), sequence-sharded data, tiled MLP and loss"
