@@ -240,9 +240,11 @@ def kernel_stage(run: Run, dtype: torch.dtype, seqs, layouts, names=None) -> Non
                     torch.cuda.empty_cache()
 
 
-def ids_probe(run: Run) -> torch.Tensor:
-    """An empty tensor of the GPT's attention inputs' device and dtype (to ask for the backend)."""
-    return torch.empty(0, device=run.device, dtype=torch.float32 if run.smoke else torch.bfloat16)
+def query_probe(run: Run, heads: int, seq: int) -> torch.Tensor:
+    """A tensor of the GPT's attention queries' shape (head_dim 0), device and dtype, to ask the
+    attention for its backend."""
+    return torch.empty(1, heads, seq, 0, device=run.device,
+                       dtype=torch.float32 if run.smoke else torch.bfloat16)
 
 
 def gpt_stage(run: Run, step_cap_s: float) -> None:
@@ -270,7 +272,7 @@ def gpt_stage(run: Run, step_cap_s: float) -> None:
                 ckpt.apply(model, "every")
                 core = model.blocks[0].attn.core
                 if hasattr(core, "backend_for"):
-                    row["backend"] = core.backend_for(ids_probe(run))
+                    row["backend"] = core.backend_for(query_probe(run, heads, seq))
                 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=run.device.type == "cuda")
                 ids = torch.randint(0, vocab, (1, seq), device=run.device)
                 if run.device.type == "cuda":

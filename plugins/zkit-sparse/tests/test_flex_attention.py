@@ -161,28 +161,35 @@ def test_bad_flex_options_are_refused():
         SparseSelfAttention(cfg, flex_block_size=96)
     with pytest.raises(ValueError, match=r"backend='flex' cannot apply dropout"):  # through the factory
         make_block_sparse_attention(mode="fixed", num_heads=H, dropout=0.2, backend="flex")
+    with pytest.raises(ValueError, match=r"flex_compile must be True, False or None, got 1"):
+        SparseSelfAttention(cfg, backend="flex", flex_compile=1)
+    with pytest.raises(ValueError, match=r"flex_compile must be True, False or None, got 'yes'"):
+        make_block_sparse_attention(mode="fixed", num_heads=H, backend="flex", flex_compile="yes")
     q = torch.randn(1, H, 128, D, requires_grad=True)
-    with pytest.raises(RuntimeError, match="backend 'flex' on the CPU runs the forward only"):
-        _flex_module(LAYOUTS["fixed"]("bidirectional"), False)(q, q, q)
+    for compiled in (None, True):  # refused before compiling, which raises NotImplementedError
+        with pytest.raises(RuntimeError, match="backend 'flex' on the CPU runs the forward only"):
+            _flex_module(LAYOUTS["fixed"]("bidirectional"), False, flex_compile=compiled)(q, q, q)
     with torch.no_grad():  # inference on the CPU works
         _flex_module(LAYOUTS["fixed"]("bidirectional"), False)(q, q, q)
 
 
 def test_auto_backend_order(monkeypatch):
-    assert backends.auto_backend("cpu", torch.float32, 0.0, 64) == "torch"
+    assert backends.auto_backend("cpu", torch.float32, 0.0, 64, 4096, 0.15) == "torch"
     monkeypatch.setattr(backends, "flex_unavailable_reason", lambda device_type="cuda": None)
     monkeypatch.setattr(backends, "numba_unavailable_reason", lambda block: None)
-    assert backends.auto_backend("cuda", torch.bfloat16, 0.0, 64) == "flex"
-    assert backends.auto_backend("cuda", torch.bfloat16, 0.1, 64) == "numba"  # flex has no dropout
-    assert backends.auto_backend("cuda", torch.float64, 0.0, 64) == "torch"  # no fp64 kernels
+    assert backends.auto_backend("cuda", torch.bfloat16, 0.0, 64, 4096, 0.15) == "flex"
+    assert backends.auto_backend("cuda", torch.bfloat16, 0.1, 64, 4096, 0.15) == "numba"  # flex has no dropout
+    assert backends.auto_backend("cuda", torch.float64, 0.0, 64, 4096, 0.15) == "torch"  # no fp64 kernels
     monkeypatch.setattr(backends, "numba_unavailable_reason", lambda block: "not installed")
-    assert backends.auto_backend("cuda", torch.float16, 0.1, 64) == "torch"
-    assert backends.describe().startswith("backend auto = flex for CUDA tensors")
+    assert backends.auto_backend("cuda", torch.float16, 0.1, 64, 4096, 0.15) == "torch"
+    assert backends.describe().startswith(
+        "backend auto for CUDA tensors (no CUDA device here) (fastest usable in the measured GPU "
+        "table): flex at fixed 4096, flex at fixed 16384")
 
 
 def test_report_names_the_backend():
     from zkit_sparse.plugin import zkit_report
 
     lines = dict(zkit_report())
-    assert lines["zkit-sparse backend"].startswith("backend auto = ")
+    assert lines["zkit-sparse backend"].startswith("backend auto for CUDA tensors")
     assert "force one with backend='flex' | 'numba' | 'torch'" in lines["zkit-sparse backend"]

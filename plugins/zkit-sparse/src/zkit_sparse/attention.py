@@ -13,9 +13,10 @@ blocks too, which DeepSpeed left to an explicit ``attn_mask``. A row with every 
 a zero output (and zero gradients) rather than NaN.
 
 Paths: a layout with every block present runs PyTorch's SDPA. Otherwise ``backend`` picks one
-of three (:mod:`zkit_sparse.backends`): ``flex``, PyTorch's compiled FlexAttention, the default
-for CUDA tensors; ``numba``, the Numba-CUDA kernels of ``zkit-cuda-numba``; ``torch``, the
-batched-PyTorch path (:mod:`zkit_sparse.block_attention_torch`), the default everywhere else.
+of three (:mod:`zkit_sparse.backends`): ``flex``, PyTorch's compiled FlexAttention; ``numba``,
+the Numba-CUDA kernels of ``zkit-cuda-numba``; ``torch``, the batched-PyTorch path
+(:mod:`zkit_sparse.block_attention_torch`), the default on the CPU. For CUDA tensors ``auto``
+runs the fastest usable one of the measured GPU table (:mod:`zkit_sparse.backend_table`).
 """
 from __future__ import annotations
 
@@ -80,9 +81,11 @@ class SparseSelfAttention(torch.nn.Module):
             (fastest; memory grows with nonzero blocks x ``block**2``). ``False`` recomputes them
             in the backward, FlashAttention-style: memory O(seq x head_dim) plus one chunk, one
             more block matmul per nonzero block.
-        backend: ``"auto"`` (CUDA tensors: FlexAttention when torch has it and ``dropout`` is 0,
-            else the Numba-CUDA kernels when installed, else PyTorch; other devices: PyTorch),
-            or one of ``"flex"``, ``"numba"``, ``"torch"`` (unavailable = an error).
+        backend: ``"auto"`` (CUDA tensors: the fastest backend usable for the call, FlexAttention
+            needing torch with Triton and ``dropout`` 0, Numba the zkit-cuda-numba kernels, in
+            the measured row of :data:`zkit_sparse.backend_table.GPU_TABLE` nearest the length
+            and density; other devices: PyTorch), or one of ``"flex"``, ``"numba"``,
+            ``"torch"`` (unavailable = an error).
         use_kernels: the older switch: ``True`` = ``backend="numba"``, ``False`` =
             ``backend="torch"``, ``None`` = ``backend``.
         flex_block_size: FlexAttention's tile (an int or ``(query, key)`` pair); the layout's
@@ -91,6 +94,11 @@ class SparseSelfAttention(torch.nn.Module):
             64); another is refused at the first training call, before compiling.
         flex_kernel_options: ``kernel_options`` passed to ``flex_attention`` (tile sizes of
             its forward and backward kernels).
+        flex_compile: run the flex backend through the process's compiled ``flex_attention``:
+            ``None`` (default) compiles CUDA calls and runs CPU calls eagerly (a CPU call is
+            forward-only and compiling costs seconds per shape); ``True`` compiles on the CPU too
+            (the kernel the GPU runs, without the ``T x T`` scores eager FlexAttention
+            materialises); ``False`` runs eagerly everywhere (debugging a mask).
     """
 
     def __init__(
@@ -108,6 +116,7 @@ class SparseSelfAttention(torch.nn.Module):
         backend: str = "auto",
         flex_block_size: int | tuple[int, int] = DEFAULT_FLEX_BLOCK,
         flex_kernel_options: dict | None = None,
+        flex_compile: bool | None = None,
     ):
         super().__init__()
         if not isinstance(sparsity_config, SparsityConfig):
@@ -141,6 +150,9 @@ class SparseSelfAttention(torch.nn.Module):
         flex_tile(flex_block_size)
         self.flex_block_size = flex_block_size
         self.flex_kernel_options = flex_kernel_options
+        if flex_compile is not None and type(flex_compile) is not bool:
+            raise ValueError(f"flex_compile must be True, False or None, got {flex_compile!r}")
+        self.flex_compile = flex_compile
         self.master_layout = sparsity_config.make_layout(max_seq_length)
         self._luts: dict[tuple, object] = {}  # lookup tables and BlockMasks per (kind, length, device)
         self._prob_buffer = ReusableBuffer()  # saved probabilities, reused from step to step
@@ -156,6 +168,11 @@ class SparseSelfAttention(torch.nn.Module):
     # -- layout -----------------------------------------------------------------------------
     def layout(self, seq_len: int) -> torch.Tensor:
         """The ``[heads, nb, nb]`` layout used for ``seq_len`` tokens."""
+        self._check_length(seq_len)
+        nb = seq_len // self.sparsity_config.block
+        return self.master_layout[:, :nb, :nb]
+
+    def _check_length(self, seq_len: int) -> None:
         block = self.sparsity_config.block
         if seq_len % block != 0:
             raise ValueError(
@@ -167,15 +184,20 @@ class SparseSelfAttention(torch.nn.Module):
                 f"sequence length {seq_len} exceeds max_seq_length {self.max_seq_length} of this "
                 f"SparseSelfAttention; build it with a larger max_seq_length"
             )
-        nb = seq_len // block
-        return self.master_layout[:, :nb, :nb]
 
-    def _every_block_present(self, seq_len: int, layout: torch.Tensor) -> bool:
-        # Once per length: a reduction over the [heads, nb, nb] layout is host time before every
-        # launch otherwise (milliseconds at 16384 tokens on one CPU core).
+    def _every_block_present(self, seq_len: int) -> bool:
+        # Once per length: a reduction over the [heads, nb, nb] layout (even the slice taking it)
+        # is host work before every launch otherwise (milliseconds at 16384 tokens on one core).
         key = ("dense", seq_len)
         if key not in self._luts:
-            self._luts[key] = bool(layout.all())
+            self._luts[key] = bool(self.layout(seq_len).all())
+        return self._luts[key]
+
+    def density(self, seq_len: int) -> float:
+        """Present blocks / all blocks of the layout for ``seq_len`` tokens (once per length)."""
+        key = ("density", seq_len)
+        if key not in self._luts:
+            self._luts[key] = self.layout(seq_len).bool().float().mean().item()
         return self._luts[key]
 
     def lut(self, seq_len: int, device: torch.device) -> BlockLUT:
@@ -218,19 +240,19 @@ class SparseSelfAttention(torch.nn.Module):
     def forward(self, query, key, value, key_padding_mask=None, attn_mask=None):
         self._check(query, key, value, key_padding_mask, attn_mask)
         seq_len = query.shape[2]
-        layout = self.layout(seq_len)
+        self._check_length(seq_len)
         scale = 1.0 / math.sqrt(query.shape[-1])
         dropout = self.dropout if self.training else 0.0
         kp = (None if key_padding_mask is None else
               _additive(key_padding_mask, self.key_padding_mask_mode, "key_padding_mask"))
         am = None if attn_mask is None else _additive(attn_mask, self.attn_mask_mode, "attn_mask")
-        if self._every_block_present(seq_len, layout):
+        if self._every_block_present(seq_len):
             return self._dense(query, key, value, kp, am, scale, dropout)
         backend = self.backend_for(query)
         if backend == "flex":
             return flex_block_sparse_attention(
                 query, key, value, self.flex_block_mask(seq_len, query.device), scale, kp, am,
-                compile_backend="inductor" if query.is_cuda else None,
+                compile_backend="inductor" if self._compiles_flex(query) else None,
                 kernel_options=self.flex_kernel_options)
         lut = self.lut(seq_len, query.device)
         if backend == "numba":
@@ -247,8 +269,9 @@ class SparseSelfAttention(torch.nn.Module):
     def backend_for(self, query: torch.Tensor) -> str:
         """The backend a call with ``query`` runs on (layouts with every block present aside)."""
         if self.backend == "auto":
+            seq_len = query.shape[2]
             return backends.auto_backend(query.device.type, query.dtype, self.dropout,
-                                         self.sparsity_config.block)
+                                         self.sparsity_config.block, seq_len, self.density(seq_len))
         if self.backend == "numba" and not query.is_cuda:
             raise RuntimeError(f"backend 'numba' (use_kernels=True) needs CUDA tensors; got tensors on {query.device}")
         if self.backend == "flex":
@@ -256,6 +279,9 @@ class SparseSelfAttention(torch.nn.Module):
             if reason is not None:
                 raise RuntimeError(f"backend 'flex' unavailable: {reason}")
         return self.backend
+
+    def _compiles_flex(self, query: torch.Tensor) -> bool:
+        return query.is_cuda if self.flex_compile is None else self.flex_compile
 
     def flex_block_mask(self, seq_len: int, device: torch.device):
         """The FlexAttention ``BlockMask`` of ``seq_len`` tokens, built once per length and device."""

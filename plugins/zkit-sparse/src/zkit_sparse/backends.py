@@ -4,11 +4,11 @@
 * ``numba``: the Numba-CUDA kernels of the ``zkit-cuda-numba`` distribution.
 * ``torch``: the batched PyTorch path (:mod:`zkit_sparse.block_attention_torch`), any device.
 
-``backend="auto"`` (the default) picks, for CUDA tensors, the first of :data:`CUDA_ORDER` that can
-run the call, and ``torch`` for every other device: FlexAttention has no backward on the CPU.
-On one H100 (forward + backward, bf16, 16 heads x 64, Fixed layout at block 64, 4096 tokens) the
-flex backend took 15.9 ms and a hand-written FlexAttention call with the same mask 1.3 ms, the
-Numba kernels 23.9 ms, the torch path 33.1 ms (docs/plugins/sparse.md has the table).
+``backend="auto"`` (the default) picks, for CUDA tensors, the backend that was fastest in the
+measured GPU table (:mod:`zkit_sparse.backend_table`) at the nearest length and density, among
+those that can run the call, and ``torch`` for every other device: FlexAttention has no backward
+on the CPU. On one H100 flex was the fastest in every measured case; without it, numba beat
+torch at 4096 tokens and torch beat numba at 16384 (docs/plugins/sparse.md has the table).
 """
 from __future__ import annotations
 
@@ -16,8 +16,10 @@ import importlib.util
 
 import torch
 
+from zkit_sparse import backend_table
+
 BACKENDS = ("flex", "numba", "torch")
-#: The automatic choice for CUDA tensors, fastest first.
+#: The backends ``auto`` may choose for CUDA tensors (the fastest by the measured table).
 CUDA_ORDER = ("flex", "numba", "torch")
 #: dtypes the flex and numba CUDA kernels take (fp64 runs the torch path)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -55,29 +57,39 @@ def numba_unavailable_reason(block: int) -> str | None:
     return reason
 
 
-def auto_backend(device_type: str, dtype: torch.dtype, dropout: float, block: int) -> str:
-    """The backend ``backend="auto"`` runs a call on."""
-    if device_type != "cuda":
-        return "torch"
+def usable_cuda_backends(dtype: torch.dtype, dropout: float, block: int) -> list[str]:
+    """The backends of :data:`CUDA_ORDER` that can run a CUDA call of ``dtype`` here."""
     if dtype not in KERNEL_DTYPES:
-        return "torch"
+        return ["torch"]
+    usable = []
     for name in CUDA_ORDER:
         if name == "flex" and (dropout > 0.0 or flex_unavailable_reason()):
             continue
         if name == "numba" and numba_unavailable_reason(block) is not None:
             continue
-        return name
-    return "torch"
+        usable.append(name)
+    return usable
+
+
+def auto_backend(device_type: str, dtype: torch.dtype, dropout: float, block: int,
+                 seq_len: int, density: float) -> str:
+    """The backend ``backend="auto"`` runs a call on: on CUDA the fastest usable one of the
+    measured row nearest ``seq_len`` tokens and ``density`` (present / all layout blocks)."""
+    if device_type != "cuda":
+        return "torch"
+    return backend_table.fastest(seq_len, density, usable_cuda_backends(dtype, dropout, block))
 
 
 def describe() -> str:
-    """One line for ``zkit report``: what ``auto`` runs on CUDA here, and why not the faster ones."""
+    """One line for ``zkit report``: what ``auto`` runs on CUDA here, and why not the others."""
     parts = []
     for name in CUDA_ORDER:
         reason = {"flex": flex_unavailable_reason(), "numba": numba_unavailable_reason(64),
                   "torch": None}[name]
         parts.append(f"{name}: {'usable' if reason is None else 'no (' + reason + ')'}")
     gpu = "" if torch.cuda.is_available() else " (no CUDA device here)"
-    chosen = auto_backend("cuda", torch.bfloat16, 0.0, 64)
-    return (f"backend auto = {chosen} for CUDA tensors{gpu}, torch on the CPU; "
-            f"{'; '.join(parts)}; force one with backend='flex' | 'numba' | 'torch'")
+    chosen = ", ".join(f"{auto_backend('cuda', torch.bfloat16, 0.0, 64, r.seq, r.density)} at "
+                       f"{r.layout} {r.seq}" for r in backend_table.GPU_TABLE)
+    return (f"backend auto for CUDA tensors{gpu} (fastest usable in the measured GPU table): "
+            f"{chosen}; torch on the CPU; {'; '.join(parts)}; "
+            f"force one with backend='flex' | 'numba' | 'torch'")

@@ -6,11 +6,15 @@ length by the module); the user's key-padding and attention masks, already in ad
 ``score_mod``. The scale is applied before the ``score_mod``, as DeepSpeed adds its masks to the
 scaled scores. A row whose keys are all masked comes out as zeros.
 
-On CUDA the call goes through one ``torch.compile(flex_attention)`` per process: it compiles once
-per input shape, dtype and kind of ``score_mod``; new mask tensors of the same shape reuse the
-compiled kernel (they are inputs of the graph, not constants). Without compilation (the CPU)
-FlexAttention materialises the scores and has no backward: there it serves to check the mask
-construction, and the batched PyTorch path does the training.
+The call goes through one ``torch.compile(flex_attention)`` per process (CUDA calls by default, CPU
+calls with ``flex_compile=True``): it compiles once per input shape, dtype and kind of
+``score_mod``; new mask tensors of the same shape, and the BlockMasks of other modules with the
+same geometry, reuse the compiled kernel (they are inputs of the graph, not constants). It is the
+graph a hand-written ``torch.compile(flex_attention)`` call with a ``create_block_mask`` mask
+runs (``tests/test_flex_same_graph.py`` compares them on the CPU). Without compilation
+FlexAttention materialises the scores; on the CPU it has no backward, so there it serves
+inference and the checks of the mask construction, and the batched PyTorch path does the
+training.
 """
 from __future__ import annotations
 
@@ -71,20 +75,24 @@ def flex_block_sparse_attention(q, k, v, block_mask, scale: float,
                                 kernel_options: dict[str, Any] | None = None) -> torch.Tensor:
     """Attention of ``[B, H, T, d]`` tensors over ``block_mask`` with additive masks.
 
-    ``compile_backend=None`` runs FlexAttention eagerly (forward only on the CPU)."""
-    if compile_backend is None and q.device.type == "cpu" and torch.is_grad_enabled() and \
-            any(t.requires_grad for t in (q, k, v)):
-        raise RuntimeError(
-            "backend 'flex' on the CPU runs the forward only (torch's FlexAttention has no CPU "
-            "backward); use backend='torch' to train on the CPU, or call under torch.no_grad()")
+    ``compile_backend=None`` runs FlexAttention eagerly (forward only on the CPU). Nothing else
+    runs on the tensors: the call dispatches the ops a hand-written compiled ``flex_attention``
+    call dispatches, plus the padding of masks when some are given."""
     trains = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if trains and q.is_cuda:  # refused before compiling, not at the first backward
         check_backward_tile(tuple(block_mask.BLOCK_SIZE), q.shape[-1], q.dtype, q.device)
-    if not torch.is_grad_enabled():  # no graph is built; eager CPU FlexAttention refuses grad inputs
+    elif trains and q.device.type == "cpu":  # compiled or not: torch raises NotImplementedError
+        raise RuntimeError(
+            "backend 'flex' on the CPU runs the forward only (torch's FlexAttention has no CPU "
+            "backward); use backend='torch' to train on the CPU, or call under torch.no_grad()")
+    if compile_backend is None and not torch.is_grad_enabled():
+        # eager CPU FlexAttention refuses inputs that require grad even under no_grad
         q, k, v = q.detach(), k.detach(), v.detach()
-    reach = max(block_mask.BLOCK_SIZE[0] * block_mask.kv_num_blocks.shape[-1],
-                block_mask.BLOCK_SIZE[1] * block_mask.kv_indices.shape[-1])
-    score_mod = mask_score_mod(key_padding, attn_mask, reach)
+    score_mod = None
+    if key_padding is not None or attn_mask is not None:
+        reach = max(block_mask.BLOCK_SIZE[0] * block_mask.kv_num_blocks.shape[-1],
+                    block_mask.BLOCK_SIZE[1] * block_mask.kv_indices.shape[-1])
+        score_mod = mask_score_mod(key_padding, attn_mask, reach)
     flex = _flex_attention(compile_backend)
     kwargs = {} if kernel_options is None else {"kernel_options": kernel_options}
     return flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale, **kwargs)

@@ -10,7 +10,7 @@ from zkit_sparse.config import SparseAttentionConfig
 from zkit_sparse.layouts import SparsityConfig
 
 _MODULE_KEYS = ("key_padding_mask_mode", "attn_mask_mode", "workspace_elems", "save_probs",
-                "use_kernels", "backend", "flex_block_size", "flex_kernel_options")
+                "use_kernels", "backend", "flex_block_size", "flex_kernel_options", "flex_compile")
 
 
 def make_block_sparse_attention(
