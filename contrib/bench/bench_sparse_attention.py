@@ -5,11 +5,15 @@
     OMP_NUM_THREADS=1 python contrib/bench/bench_sparse_attention.py memory --budget-mib 2048
     python contrib/bench/bench_sparse_attention.py --gpu --out-dir results/sparse-gpu
     python contrib/bench/bench_sparse_attention.py --cpu-smoke --out-dir /tmp/sparse-smoke
+    python contrib/bench/bench_sparse_attention.py --geometry
 
 ``--gpu`` runs the GPU table (backends flex, numba, torch against flash SDPA and a hand-written
 FlexAttention call, and the longest GPT sequence) in one process within ``--budget-s``; it writes
 ``table.md`` and ``rows.jsonl`` under ``--out-dir`` (see ``sparse_attention_gpu.py``).
-``--cpu-smoke`` runs the same code on tiny CPU shapes, to check the script.
+``--cpu-smoke`` runs the same code on tiny CPU shapes, to check the script. ``--families`` and
+``--seq`` restrict the GPU table's layouts and lengths (a rerun of what the budget skipped).
+``--geometry`` prints the GPU table's layouts' density and FlexAttention tiles at its lengths
+(computed on the CPU, no timing).
 
 Variants:
   sparse          zkit's block-sparse path, probabilities kept for the backward (the default)
@@ -200,6 +204,10 @@ def main() -> None:
     ap.add_argument("mode", nargs="?", choices=["time", "memory"])
     ap.add_argument("--gpu", action="store_true", help="the GPU table (one CUDA device)")
     ap.add_argument("--cpu-smoke", action="store_true", help="the GPU table's code on tiny CPU shapes")
+    ap.add_argument("--geometry", action="store_true",
+                    help="the GPU table's layouts: density and FlexAttention tiles (CPU, no timing)")
+    ap.add_argument("--families", nargs="+", default=None,
+                    help="--gpu/--cpu-smoke: the layouts to time (default: all of the table's)")
     ap.add_argument("--out-dir", default="sparse-attention-gpu", help="--gpu/--cpu-smoke: where the table goes")
     ap.add_argument("--budget-s", type=float, default=270.0, help="--gpu: no case starts after this many seconds")
     ap.add_argument("--stages", nargs="+", default=["kernels", "fp32", "gpt"], choices=["kernels", "fp32", "gpt"])
@@ -216,13 +224,16 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=2048.0)
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ns = ap.parse_args()
-    if ns.gpu or ns.cpu_smoke:
+    if ns.gpu or ns.cpu_smoke or ns.geometry:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import sparse_attention_gpu
 
+        if ns.geometry:
+            print(sparse_attention_gpu.geometry(ns.families))
+            return
         sparse_attention_gpu.main(ns.out_dir, smoke=ns.cpu_smoke, budget_s=ns.budget_s,
                                   reps=max(ns.reps, 20) if ns.gpu else 3, stages=ns.stages,
-                                  step_cap_s=ns.gpt_step_cap_s, layouts=ns.layout)
+                                  step_cap_s=ns.gpt_step_cap_s, families=ns.families, seqs=ns.seq)
         return
     if ns.mode is None:
         ap.error("give a mode (time, memory) or --gpu / --cpu-smoke")
