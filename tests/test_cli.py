@@ -4,6 +4,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from zkit.cli import plugins_text
 from zkit.core.records import FAMILIES
 
@@ -87,6 +89,29 @@ def test_run_without_master_port_uses_a_free_port_and_a_taken_port_names_the_fla
     assert taken.returncode != 0
     assert f"zkit run: port {port} on 127.0.0.1 is taken" in taken.stderr
     assert "choose another with --master-port" in taken.stderr
+
+
+def test_a_port_left_in_time_wait_by_the_last_run_is_free():
+    import argparse
+    import socket
+
+    from zkit.cli import _master_port
+
+    # the previous run's store: it accepted a connection and closed it first, so its end lingers
+    # in TIME_WAIT with nothing listening any more (back-to-back runs with --master-port)
+    with socket.socket() as server:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = server.accept()
+        conn.close()
+        client.close()
+    with socket.socket() as probe, pytest.raises(OSError):
+        probe.bind(("127.0.0.1", port))  # a plain bind still fails: the state the check must see through
+    args = argparse.Namespace(master_port=port, master_addr="127.0.0.1", nnodes="1", node_rank=0)
+    assert _master_port(args) == port
 
 
 def test_a_failing_rank_shows_its_traceback_in_the_summary(tmp_path):

@@ -260,6 +260,7 @@ def test_auto_is_rejected_naming_the_key():
         ({"amp": {"enabled": True, "opt_level": "O2"}}, "amp.enabled"),
         ({"elasticity": {"enabled": True}}, "elasticity.enabled"),
         ({"autotuning": {"enabled": True}}, "autotuning.enabled"),
+        ({"hybrid_engine": {"enabled": True, "max_out_tokens": 512}}, "hybrid_engine.enabled"),
         ({"compression_training": {}}, "compression_training"),
     ],
 )
@@ -277,10 +278,22 @@ def test_not_implemented_message_text():
     )
 
 
+def test_hybrid_engine_on_is_refused_naming_rlhf_generation():
+    assert error({"hybrid_engine": {"enabled": True}}, kind=NotImplementedConfigError) == (
+        "config key 'hybrid_engine.enabled' is set to True, but zkit does not implement this feature yet (RLHF "
+        "generation with DeepSpeed's hybrid engine (inference kernels inside the training engine)); remove the key "
+        "or set it to False"
+    )
+
+
 def test_not_implemented_keys_at_default_are_fine():
     cfg = load({"zero_optimization": {"zero_hpz_partition_size": 1, "zero_quantized_weights": False,
                                       "mics_shard_size": -1},
-                "wandb": {"enabled": False, "project": "p"}, "amp": {"enabled": False}})
+                "wandb": {"enabled": False, "project": "p"}, "amp": {"enabled": False},
+                # DeepSpeed-Chat writes the hybrid engine's section, off, at every step
+                "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+                                  "release_inference_cache": False, "pin_parameters": True,
+                                  "tp_gather_partition_size": 8}})
     assert cfg.section("wandb").project == "p"
 
 

@@ -168,7 +168,8 @@ def _pass_root_cause_up(failure: RankFailure) -> None:
 
 
 def _master_port(args: argparse.Namespace) -> int:
-    """The rendezvous port: the one asked for, checked free on the master node; else a free one
+    """The rendezvous port: the one asked for, checked free on the master node (as the rendezvous
+    store will bind it, so a port left in TIME_WAIT by the previous run is free); else a free one
     on a single node (a fixed default collides with any other job on the machine)."""
     import socket
 
@@ -180,6 +181,9 @@ def _master_port(args: argparse.Namespace) -> int:
             return s.getsockname()[1]
     if args.node_rank == 0:
         with socket.socket() as s:
+            # as the rendezvous store binds: a port whose last job's connections linger in
+            # TIME_WAIT is free to it; only a socket still bound or listening there is in the way
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((args.master_addr, args.master_port))
             except OSError as exc:

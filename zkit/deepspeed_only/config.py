@@ -1,5 +1,5 @@
-"""DeepSpeed's sections for features zkit does not have: ``amp`` (NVIDIA Apex), ``elasticity`` and
-``autotuning``. A DeepSpeed config names them with the feature off, so they are read and validated
+"""DeepSpeed's sections for features zkit does not have: ``amp`` (NVIDIA Apex), ``elasticity``,
+``autotuning`` and ``hybrid_engine`` (RLHF generation). A DeepSpeed config names them with the feature off, so they are read and validated
 like any section; turning one on is refused at initialize, naming the key. Registered by
 :mod:`zkit.deepspeed_only.plugin`."""
 from typing import ClassVar
@@ -78,3 +78,21 @@ class AutotuningConfig:
     )
     num_tuning_micro_batch_sizes: int = setting(3, check=at_least(1), doc="Micro-batches tried.")
     mp_size: int = setting(1, check=at_least(1), doc="Model-parallel degree.")
+
+
+@attrs.frozen(kw_only=True)
+class HybridEngineConfig:
+    """DeepSpeed's hybrid engine: the training engine switching to inference kernels to generate
+    (RLHF's experience generation). DeepSpeed-Chat writes this section at every step, off below
+    step 3."""
+
+    enabled: bool = setting(
+        False, unimplemented=True,
+        doc="RLHF generation with DeepSpeed's hybrid engine (inference kernels inside the training engine).",
+    )
+    max_out_tokens: int = setting(512, check=at_least(1), doc="Longest generated sequence.")
+    inference_tp_size: int = setting(1, check=at_least(1), doc="Tensor-parallel degree of generation.")
+    release_inference_cache: bool = setting(False, doc="Free the inference cache after generating.")
+    pin_parameters: bool = setting(True, doc="Pin the gathered parameters in memory.")
+    tp_gather_partition_size: int = setting(8, check=at_least(1), doc="Ranks gathered at once.")
+    enable_cuda_graph: bool = setting(False, doc="Capture generation in CUDA graphs.")

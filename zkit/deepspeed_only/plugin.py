@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import zkit
 from zkit.core.records import ConfigSectionRecord
-from zkit.deepspeed_only.config import AmpConfig, AutotuningConfig, ElasticityConfig
+from zkit.deepspeed_only.config import AmpConfig, AutotuningConfig, ElasticityConfig, HybridEngineConfig
 
 SECTIONS = {"amp": (AmpConfig, "Apex AMP."), "elasticity": (ElasticityConfig, "Elastic batch sizes."),
-            "autotuning": (AutotuningConfig, "Autotuner.")}
+            "autotuning": (AutotuningConfig, "Autotuner."),
+            "hybrid_engine": (HybridEngineConfig, "DeepSpeed's hybrid engine (RLHF generation).")}
 
 
 @zkit.hookimpl(trylast=True)

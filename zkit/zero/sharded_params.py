@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import sys
 from typing import Any, Callable, Iterable
 
 import torch
@@ -53,6 +54,7 @@ _METADATA = frozenset(
         "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point",
         "is_complex", "is_contiguous", "get_device", "data_ptr", "requires_grad_", "retain_grad",
         "register_hook", "register_post_accumulate_grad_hook", "untyped_storage", "_is_view",
+        "_has_compatible_shallow_copy_type",  # Module._apply asks it of every parameter it converts
     }
 )
 
@@ -159,6 +161,10 @@ class ZeroParameter(torch.nn.Parameter):
             # and shapes before loading weights): the entry has the parameter's shape and dtype
             # on the meta device, so anything that reads its values fails there, loudly.
             return torch.empty(args[0].shape, dtype=args[0].dtype, device="meta")
+        if func in _CONVERSIONS and ACTIVE.fetch is None and isinstance(args[0], ZeroParameter) and args[0]._zkit_released:
+            converted = _convert_released(args[0], func, args[1:], kwargs)
+            if converted is not None:
+                return converted
         if getattr(func, "__name__", "") not in _METADATA:
             params = list(_zero_params(args, kwargs))
             released = [p._zkit_unit for p in params if p._zkit_released]
@@ -174,6 +180,50 @@ class ZeroParameter(torch.nn.Parameter):
                 return out
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
+
+
+#: the tensor methods ``Module.to`` / ``.float()`` / ``.half()`` / ``.bfloat16()`` / ``.cpu()`` apply to
+#: each parameter, with the (device, dtype) each asks for
+_CONVERSIONS: dict[Any, Callable[..., tuple[Any, Any]]] = {
+    torch.Tensor.to: lambda *a, **kw: torch._C._nn._parse_to(*a, **kw)[:2],
+    torch.Tensor.float: lambda *a, **kw: (None, torch.float32),
+    torch.Tensor.double: lambda *a, **kw: (None, torch.float64),
+    torch.Tensor.half: lambda *a, **kw: (None, torch.float16),
+    torch.Tensor.bfloat16: lambda *a, **kw: (None, torch.bfloat16),
+    torch.Tensor.cpu: lambda *a, **kw: (torch.device("cpu"), None),
+}
+_MODULE_APPLY = torch.nn.Module._apply.__code__
+
+
+def _called_by_module_apply() -> bool:
+    """Whether ``Module._apply`` (``module.to(...)`` and the like) is converting the parameter."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code is _MODULE_APPLY:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _convert_released(p: "ZeroParameter", func: Any, args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A conversion of a released parameter: the parameter itself when nothing changes (as
+    ``Tensor.to`` answers, with no gather: DeepSpeed-Chat's LoRA layers move a partitioned weight
+    to its own device and dtype); inside ``Module._apply`` a real change converts the unit's
+    shard, and the placeholder in the new dtype/device is what the module keeps. ``None``: a
+    real change of one tensor, which needs its values (the caller raises that it is not
+    gathered)."""
+    device, dtype = _CONVERSIONS[func](*args, **kwargs)
+    device = torch.device(device) if device is not None else None
+    same_device = device is None or (device.type == p.device.type and device.index in (None, p.device.index))
+    if (dtype is None or dtype == p.dtype) and same_device:
+        return p
+    if not _called_by_module_apply():
+        return None
+    p._zkit_unit.convert(dtype, device)
+    with torch._C.DisableTorchFunctionSubclass():
+        return torch.empty((), dtype=dtype or p.dtype, device=device or p.device).expand(p.shape)
 
 
 def _linear_args(args: tuple, kwargs: dict) -> tuple:
@@ -473,6 +523,30 @@ class ShardedUnit:
             full, self.full = self.full, None
             if self.spares is not None:
                 self.spares.give(full)
+
+    def convert(self, dtype: torch.dtype | None, device: torch.device | None) -> None:
+        """``module.to(dtype/device)`` on a released unit built by ``zkit.zero.Init``: its shard
+        takes the new dtype and device (once for the unit; a module's parameters share it). An
+        engine's units keep the dtype and placement its config chose: refused there."""
+        dtype = dtype or self.shard_dtype
+        if self.gathered_count is not None or self.master is not None:
+            raise RuntimeError(
+                f"module {self.module_name!r}: its parameters are partitioned by a ZeRO stage 3 engine, which keeps "
+                f"them in {self.shard_dtype} where its config puts them; converting them to {dtype} after initialize "
+                "is not supported. Convert the model before initialize, or change the config's bf16/fp16 sections"
+            )
+        if self.shard is None:
+            raise RuntimeError(
+                f"module {self.module_name!r}: its shards are in a shard store ({type(self.store).__name__}, "
+                "offload_param), which keeps them in the dtype it was built with; converting them is not supported"
+            )
+        device = device or self.shard.device
+        if self.shard.dtype == dtype and self.shard.device == device:
+            return  # converted with an earlier parameter of this unit
+        old = self.shard
+        self.shard = old.to(device=device, dtype=dtype)
+        self.allocator.release(old, "param")
+        self.allocator.track("param", self.shard.numel() * self.shard.element_size())
 
     def write_back(self, rank: int) -> None:
         """Copy this rank's range of the (gathered, possibly edited) full buffer into its shard."""

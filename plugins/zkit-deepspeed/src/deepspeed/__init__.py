@@ -30,6 +30,7 @@ from deepspeed.utils import log_dist, logger
 from deepspeed.refused import module_getattr
 from deepspeed.comm.comm import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from zkit_deepspeed import refusing_finder
+from zkit_deepspeed.ignored_keys import drop_ignored_keys
 
 refusing_finder.install()  # importing a refused deepspeed.X raises FeatureNotProvided
 
@@ -67,7 +68,9 @@ def initialize(
     """``deepspeed.initialize``: DeepSpeed's signature (``args`` first); returns ``(engine,
     optimizer, training_dataloader, lr_scheduler)``. The config comes from ``config``, else
     ``config_params``, else ``args.deepspeed_config`` (or the older ``args.deepscale_config``);
-    giving it both in ``config`` and in ``args`` is an error, as in DeepSpeed."""
+    giving it both in ``config`` and in ``args`` is an error, as in DeepSpeed. Keys DeepSpeed
+    ignores where they have no effect (``offload_param`` below stage 3) are ignored with one
+    warning (:mod:`zkit_deepspeed.ignored_keys`)."""
     from zkit.core.engine import initialize as zkit_initialize
 
     if mesh_param is not None:
@@ -81,6 +84,7 @@ def initialize(
                          "args.deepspeed_config; give one")
     if config is None:
         config = from_args
+    config = drop_ignored_keys(config)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     result = zkit_initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, config=config,

@@ -37,8 +37,15 @@ _MOE = Refusal("mixture-of-experts layers and expert parallelism",
                "train the model without MoE layers, or with DeepSpeed")
 _SEQUENCE_PARALLEL = Refusal("Ulysses sequence parallelism",
                              "shard the batch (data parallelism) or use zkit-pipeline's tensor parallelism")
-_COMPRESSION = Refusal("DeepSpeed Compression (quantization-aware training, pruning)",
-                       "use torch.ao.quantization or a library such as torchao")
+_COMPRESSION = Refusal("DeepSpeed Compression (quantization-aware training, pruning; removed from DeepSpeed "
+                       "0.19.8)", "use torch.ao.quantization or a library such as torchao")
+#: the compression library's modules (its helper module stays, for recursive_getattr / recursive_setattr)
+_COMPRESSION_MODULES = ("basic_layer", "compress", "config", "constants", "scheduler", "utils")
+#: the compression functions that were in deepspeed.compression.helper
+_COMPRESSION_HELPERS = ("module_replacement", "is_module_compressible", "compression_preparation",
+                        "fix_compression", "convert_conv1d_to_linear", "generate_pruners", "register_on_step_begin", "rewrite_optimizer_step")
+#: what deepspeed.compression itself exported
+_COMPRESSION_EXPORTS = ("init_compression", "redundancy_clean", "compression_scheduler", "convert_conv1d_to_linear")
 _COMPILED_OPS = Refusal("DeepSpeed's compiled CUDA/C++ transformer kernels",
                         "use torch's layers (torch.nn.TransformerEncoderLayer, scaled_dot_product_attention)")
 _DEEPCOMPILE = Refusal("DeepCompile graph passes", "use torch.compile on the model")
@@ -85,7 +92,7 @@ REFUSED_MODULES: dict[str, Refusal] = {
     "deepspeed.moe.sharded_moe": _MOE,
     "deepspeed.sequence": _SEQUENCE_PARALLEL,
     "deepspeed.runtime.sequence_parallel": _SEQUENCE_PARALLEL,
-    "deepspeed.compression": _COMPRESSION,
+    **{f"deepspeed.compression.{m}": _COMPRESSION for m in _COMPRESSION_MODULES},
     "deepspeed.ops.transformer": _COMPILED_OPS,
     "deepspeed.io": _FAST_IO,
     "deepspeed.compile": _DEEPCOMPILE,
@@ -116,6 +123,8 @@ REFUSED_NAMES: dict[str, Refusal] = {
                                                     "bind with numactl around `zkit run`"),
     "deepspeed.comm.TorchBackend": Refusal("DeepSpeed's communication-backend class",
                                            "call deepspeed.comm's functions (torch.distributed underneath)"),
+    **{f"deepspeed.compression.helper.{f}": _COMPRESSION for f in _COMPRESSION_HELPERS},
+    **{f"deepspeed.compression.{f}": _COMPRESSION for f in _COMPRESSION_EXPORTS},
     "deepspeed.tp_model_init": Refusal("DeepSpeed's AutoTP training", "use zkit-pipeline's tensor parallelism "
                                                                       "(zkit_pipeline.tensor)"),
 }

@@ -1,8 +1,9 @@
 """Which of DeepSpeed 0.19.8's public names the drop-in answers, and how: the coverage inventory.
 
 The names are those real code imports or reaches, found by ``tools/scan_deepspeed_names.py`` in
-DeepSpeed's own CPU-capable unit tests, DeepSpeedExamples, and the DeepSpeed integrations of
-transformers, Accelerate and Lightning (``Entry.sources``). Each is either *provided*, with
+DeepSpeed's own CPU-capable unit tests, DeepSpeedExamples (DeepSpeed-Chat and the training folder
+also on their own), and the DeepSpeed integrations of transformers, Accelerate and Lightning
+(``Entry.sources``). Each is either *provided*, with
 DeepSpeed's behaviour, or *refused*: resolving it raises
 :class:`deepspeed.refused.FeatureNotProvided`, whose message names the feature and
 what to use instead (``deepspeed.refused`` holds the messages). A name outside the
@@ -14,7 +15,9 @@ came from (the sources stay outside this repository)::
 
     python tools/scan_deepspeed_names.py transformers=<site-packages>/transformers \
         accelerate=<site-packages>/accelerate lightning=<lightning 2.6 wheel, unpacked>/lightning \
-        examples=git:<DeepSpeedExamples clone> ds-tests=<DeepSpeed tests/unit>/<each CPU-capable file>
+        examples=git:<DeepSpeedExamples clone> ds-tests=<DeepSpeed tests/unit>/<each CPU-capable file> \
+        ds-chat=git:<DeepSpeedExamples clone>:applications/DeepSpeed-Chat \
+        training=git:<DeepSpeedExamples clone>:training
 """
 from __future__ import annotations
 
@@ -32,6 +35,9 @@ SOURCES = {
     "accelerate": "Accelerate's `utils/deepspeed.py`, `accelerator.py` and the rest of the package",
     "lightning": "Lightning 2.6's DeepSpeed strategies, precision plugins and utilities",
     "examples": "DeepSpeedExamples (training, inference and compression examples)",
+    "ds-chat": "DeepSpeedExamples' `applications/DeepSpeed-Chat` (its training steps 1-3, the `dschat` library, "
+               "chat and inference); the step-1 script runs unmodified under both (`contrib/deepspeed_chat_sft.py`)",
+    "training": "DeepSpeedExamples' `training/` folder, each of its training examples",
     "ds-tests": "DeepSpeed's own unit tests: the files of the CPU survey (those that pass on a CPU are "
                 "`zkit_deepspeed.unit_tests.CPU_CAPABLE_FILES`) and their helpers",
 }
