@@ -407,3 +407,22 @@ def different_seeds() -> dict:
     final = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
     engine.close()
     return {"initial": initial, "final": final}
+
+
+def used_after_close(stage: int, save_dir: str) -> list[str]:
+    """Close an engine after one step, then use it: what each use raises."""
+    engine, *_ = zkit.initialize(model=make_model(), config=config(stage, "fp32", 1, 2))
+    ids, labels = global_batches(1, 1, 2)
+    loss = engine(ids[:2], labels[:2])
+    engine.backward(loss)
+    engine.step()
+    engine.close()
+    said = []
+    for use in (lambda: engine(ids[:2], labels[:2]), lambda: engine.backward(loss), engine.step,
+                lambda: engine.train_batch(iter([(ids[:2], labels[:2])])), lambda: engine.save_checkpoint(save_dir)):
+        try:
+            use()
+            said.append("no error")
+        except Exception as e:  # noqa: BLE001 - the message is what is checked
+            said.append(str(e))
+    return said

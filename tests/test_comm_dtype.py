@@ -45,3 +45,32 @@ def test_fp32_accumulation_beside_bf16_reductions_is_accepted_at_stage_1():
     engine = _engine(1, data_types={"grad_accum_dtype": "fp32"})
     engine.backward(engine(torch.ones(1, 4)).sum())
     assert next(engine.module.parameters()).grad.dtype == torch.float32
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("comm", [None, "bf16"])
+def test_fp32_training_accumulates_in_bf16_when_grad_accum_dtype_says_so(stage, comm):
+    """fp32 training with data_types.grad_accum_dtype bf16: the reduced shards add the micro-steps
+    in bf16 (rounded after each add) and the fp32 step takes that sum (the fp32 parameters, which
+    are the master there, refused the bf16 shard as their .grad at the first step)."""
+    torch.manual_seed(0)
+    engine = zkit.initialize(model=torch.nn.Linear(4, 1, bias=False), config={
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4, "zero_optimization": {"stage": stage},
+        "data_types": {"grad_accum_dtype": "bf16"}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "steps_per_print": 1000, **({"communication_data_type": comm} if comm else {})})[0]
+    before = next(engine.module.parameters()).detach().clone()
+    total = None
+    for i in range(4):
+        x = torch.full((1, 4), 1.0 + i / 3)
+        engine.backward(engine(x).sum() * 1000, scale_wrt_gas=False)
+        grad = (x * 1000).reshape(-1)
+        grad = grad.to(torch.bfloat16).float() if comm else grad  # what the reduction gives
+        total = (grad if total is None else total.float() + grad).to(torch.bfloat16)
+        if i < 3:
+            engine.step()
+    shard = engine.partitioner.grad_shards[0]
+    assert shard.dtype == torch.bfloat16
+    assert torch.equal(shard[:4], total)
+    engine.step()
+    moved = (before - engine.module.weight.detach()).reshape(-1)
+    torch.testing.assert_close(moved, 0.1 * total.float(), rtol=1e-6, atol=0)

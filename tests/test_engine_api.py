@@ -216,3 +216,60 @@ def test_checkpointing_configure_takes_deepspeeds_mpu_and_config(tmp_path):
     with pytest.raises(ValueError, match="either as the first argument or as deepspeed_config=, not both"):
         checkpointing.configure({}, deepspeed_config={})
     checkpointing.configure()  # back to the defaults for the tests that follow
+
+
+# -- a closed engine, data that runs out ------------------------------------------------------------
+def test_a_closed_engine_refuses_every_use_saying_it_was_closed(tmp_path):
+    """It trained on at 1 rank (its gradient hooks gone) and failed in torch's collectives at 2."""
+    engine, *_ = zkit.initialize(model=LossModel(), config={
+        "train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    x, y = Regression(4)[:]
+    engine.close()
+    engine.close()  # twice is fine
+    uses = {
+        "forward": lambda: engine(x, y), "backward": lambda: engine.backward(torch.ones((), requires_grad=True)),
+        "step": engine.step, "train_batch": lambda: engine.train_batch(iter([(x, y)])),
+        "eval_batch": lambda: engine.eval_batch(iter([(x, y)])), "save_checkpoint": lambda: engine.save_checkpoint(
+            str(tmp_path)), "load_checkpoint": lambda: engine.load_checkpoint(str(tmp_path)),
+        "compile": engine.compile, "offload_states": engine.offload_states,
+    }
+    for name, use in uses.items():
+        with pytest.raises(RuntimeError, match=f"^engine.{name} after engine.close\\(\\): a closed engine has released"):
+            use()
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_closed_engine_refuses_every_use_on_two_ranks(stage, tmp_path):
+    for said in run_ranks(er.used_after_close, 2, args=(stage, str(tmp_path / "ckpt")), timeout=120):
+        assert [s.split(" after ")[0] for s in said] == ["engine.forward", "engine.backward", "engine.step",
+                                                         "engine.train_batch", "engine.save_checkpoint"]
+        assert all(" after engine.close(): a closed engine has released its communicators" in s for s in said)
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_an_empty_dataset_is_refused_at_initialize():
+    """The engine's dataloader cycled an empty dataset forever, and train_batch(iter(loader))
+    raised a bare StopIteration."""
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    with pytest.raises(ValueError, match=r"^training_data= is an empty dataset \(len\(\) is 0\): the engine's "
+                                         r"dataloader would give no micro-batch$"):
+        zkit.initialize(model=LossModel(), config=cfg, training_data=Regression(0))
+    with pytest.raises(ValueError, match="^training_data= has 1 samples: over 1 ranks with micro-batches of 2 and "
+                                         "dataloader_drop_last, the engine's dataloader gives no micro-batch$"):
+        zkit.initialize(model=LossModel(), config={**cfg, "dataloader_drop_last": True}, training_data=Regression(1))
+
+
+def test_a_data_iterator_that_runs_out_says_so():
+    cfg = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zkit.initialize(model=LossModel(), config=cfg)
+    with pytest.raises(StopIteration, match=r"^engine.train_batch: data_iter ran out after 0 of the 2 micro-batches "
+                                            r"of a global batch \(an empty dataset, or the end of its data\)$"):
+        engine.train_batch(iter([]))
+    with pytest.raises(StopIteration, match="^engine.eval_batch: data_iter ran out after 1 of the 2 micro-batches"):
+        engine.eval_batch(iter([Regression(2)[:]]))
+    from zkit.data.repeating import RepeatingLoader
+
+    with pytest.raises(ValueError, match=r"^RepeatingLoader: the loader \(list\) gives no batch, an empty dataset"):
+        next(RepeatingLoader([]))

@@ -252,13 +252,16 @@ class Engine(torch.nn.Module):
         sampler = torch.utils.data.DistributedSampler(
             data, num_replicas=self.world_size, rank=self.rank, shuffle=True, seed=self.config.seed or 0
         )
-        return torch.utils.data.DataLoader(
+        loader = torch.utils.data.DataLoader(
             data,
             batch_size=self.config.train_micro_batch_size_per_gpu,
             sampler=sampler,
             collate_fn=collate_fn,
             drop_last=self.config.dataloader_drop_last,
         )
+        if len(loader) == 0:  # the sampler needs len(data): known here, and train_batch() would wait forever
+            raise ValueError(_no_batches(len(data), self.config.train_micro_batch_size_per_gpu, self.world_size))
+        return loader
 
     # -- accessors (DeepSpeed's names; those only DeepSpeed code reads are on the drop-in's
     # deepspeed.DeepSpeedEngine, a subclass built through initialize(engine_class=...)) ---------
@@ -330,6 +333,7 @@ class Engine(torch.nn.Module):
                 compiled_autograd_enabled: bool = False) -> None:
         """Compile the module's forward with ``torch.compile`` (DeepSpeed's call; a second call does
         nothing). The engine's hooks, reductions and optimizer step stay eager; see :mod:`zkit.core.compile`."""
+        self._require_open("compile")
         if not self.is_compiled:
             compile_module(self.module, self.records["partitioner"], backend, compile_kwargs, schedule,
                            compiled_autograd_enabled)
@@ -373,6 +377,7 @@ class Engine(torch.nn.Module):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Skip gradient reduction for the backward passes inside (accumulate locally)."""
+        self._require_open("no_sync")
         if not self.partitioner.no_sync_allowed():
             raise RuntimeError(
                 f"no_sync() is not possible with ZeRO stage {self.partitioner.stage}: it reduces gradients at "
@@ -386,6 +391,7 @@ class Engine(torch.nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Back-propagate ``loss`` (scaled for fp16, divided by the accumulation steps)."""
+        self._require_open("backward")
         if self.inference_only:
             raise RuntimeError(NO_OPTIMIZER)
         if not torch.is_tensor(loss) or loss.numel() != 1:
@@ -401,9 +407,9 @@ class Engine(torch.nn.Module):
 
     def step(self) -> None:
         """End a micro-step; at an accumulation boundary, run the optimizer step."""
+        self._require_on_device("step")
         if self.inference_only:
             raise RuntimeError(NO_OPTIMIZER)
-        self._require_on_device("step")
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         self.global_samples += self.train_micro_batch_size_per_gpu() * self.config.world_size
@@ -460,6 +466,7 @@ class Engine(torch.nn.Module):
     def train_batch(self, data_iter: Iterator[Any] | None = None) -> torch.Tensor:
         """Run one global batch (``gradient_accumulation_steps`` micro-batches) from ``data_iter``
         (default: the engine's own dataloader, cycled)."""
+        self._require_open("train_batch")
         if data_iter is None:
             if self.training_dataloader is None:
                 raise ValueError("train_batch() needs a data iterator or training_data= at initialize")
@@ -469,6 +476,7 @@ class Engine(torch.nn.Module):
     def eval_batch(self, data_iter: Iterator[Any]) -> torch.Tensor:
         """Evaluate one global batch (``gradient_accumulation_steps`` micro-batches) from
         ``data_iter`` without gradients; returns the mean loss (a pipeline: on every stage)."""
+        self._require_open("eval_batch")
         return self.pm.hook.zkit_eval_batch(engine=self, data_iter=iter(data_iter))
 
     def _cycle(self) -> Iterator[Any]:
@@ -477,7 +485,12 @@ class Engine(torch.nn.Module):
                 epoch = 0
                 while True:
                     self.training_dataloader.sampler.set_epoch(epoch)
-                    yield from self.training_dataloader
+                    batches = 0
+                    for batch in self.training_dataloader:
+                        batches += 1
+                        yield batch
+                    if not batches:  # a dataset whose len() said otherwise: no epoch would end
+                        raise ValueError(_no_batches(0, self.train_micro_batch_size_per_gpu(), self.world_size))
                     epoch += 1
 
             self._data_cycle = forever()
@@ -511,6 +524,7 @@ class Engine(torch.nn.Module):
         """Move optimizer state, master, parameters and gradients off the device until
         :meth:`reload_states` (DeepSpeed's call; the partitioner moves them:
         :meth:`zkit.core.partitioner.Partitioner.offload_states`)."""
+        self._require_open("offload_states")
         if self.inference_only:
             raise ValueError("offload_states() needs an engine with an optimizer: this one was built without one, "
                              "and holds nothing but the model")
@@ -518,11 +532,21 @@ class Engine(torch.nn.Module):
 
     def reload_states(self, non_blocking: bool = False) -> None:
         """Bring back what :meth:`offload_states` moved."""
+        self._require_open("reload_states")
         self.partitioner.reload_states(non_blocking)
 
+    def _require_open(self, what: str) -> None:
+        """Refuse ``what`` after :meth:`close`: its hooks, communicators and buffers are gone, so a
+        closed engine would train without reducing gradients (1 rank) or fail in a collective."""
+        if self._closed:
+            raise RuntimeError(f"engine.{what} after engine.close(): a closed engine has released its communicators, "
+                               f"gradient hooks and buffers and cannot be used again; build a new one with "
+                               f"zkit.initialize")
+
     def _require_on_device(self, what: str) -> None:
-        """Refuse ``what`` while states are offloaded: their storages are empty, and a kernel
-        reading one would read no memory at all."""
+        """Refuse ``what`` after :meth:`close`, or while states are offloaded: their storages are
+        empty, and a kernel reading one would read no memory at all."""
+        self._require_open(what)
         kinds = self.partitioner.offloaded_states()
         if kinds:
             raise RuntimeError(f"engine.{what} while the engine's states are offloaded ({', '.join(kinds)}); "
@@ -535,6 +559,7 @@ class Engine(torch.nn.Module):
         (rank 0), DeepSpeed's call. At ZeRO stage 3 it needs
         ``stage3_gather_16bit_weights_on_model_save``; without it nothing is written and the
         call returns False with a warning."""
+        self._require_open("save_16bit_model")
         with phases.phase("save_16bit_model"):
             saved = self.pm.hook.zkit_save_16bit_model(
                 engine=self, path=Path(save_dir) / save_filename, exclude_frozen_parameters=exclude_frozen_parameters
@@ -544,6 +569,7 @@ class Engine(torch.nn.Module):
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's
         host (``None`` on the others); every rank calls it."""
+        self._require_open("consolidated_16bit_state_dict")
         state = self.pm.hook.zkit_consolidated_16bit_state_dict(
             engine=self, exclude_frozen_parameters=exclude_frozen_parameters
         )
@@ -565,6 +591,7 @@ class Engine(torch.nn.Module):
         """Load with the checkpoint format that recognises ``load_dir`` (zkit's, DCP, DeepSpeed's
         with the drop-in, or one a plugin registers), the answer to ``zkit_checkpoint_format``.
         Nothing to load (no tag, no ``latest`` file) is DeepSpeed's warning and ``(None, None)``."""
+        self._require_open("load_checkpoint")
         found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(load_dir), tag=tag, operation="load")
         load = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format", _CHECKPOINTS).operation("load")
         with phases.phase("load_checkpoint"):
@@ -573,7 +600,8 @@ class Engine(torch.nn.Module):
                         load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 
     def close(self) -> None:
-        """Free plugin resources (swap files, threads) and monitors. Safe to call twice."""
+        """Free plugin resources (swap files, threads) and monitors. Safe to call twice; any other
+        use of the engine afterwards raises, saying it was closed."""
         if self._closed:
             return
         self._closed = True
@@ -604,6 +632,14 @@ def _answered(result: Any, where: str, hook: str, builtin: str) -> Any:
         raise RuntimeError(f"{where}: no plugin answers the hook {hook} (the built-in {builtin} provides it: is it "
                            f"blocked?)")
     return result
+
+
+def _no_batches(samples: int, micro_batch: int, world: int) -> str:
+    """Why the engine's dataloader over ``training_data=`` would give no micro-batch."""
+    if samples == 0:
+        return "training_data= is an empty dataset (len() is 0): the engine's dataloader would give no micro-batch"
+    return (f"training_data= has {samples} samples: over {world} ranks with micro-batches of {micro_batch} and "
+            f"dataloader_drop_last, the engine's dataloader gives no micro-batch")
 
 
 def _given(value: Any) -> str:

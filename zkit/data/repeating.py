@@ -20,4 +20,8 @@ class RepeatingLoader:
             return next(self.data_iter)
         except StopIteration:
             self.data_iter = iter(self.loader)
+        try:
             return next(self.data_iter)
+        except StopIteration:  # a fresh pass gave nothing: repeating it never would
+            raise ValueError(f"RepeatingLoader: the loader ({type(self.loader).__name__}) gives no batch, an empty "
+                             f"dataset: there is nothing to repeat") from None

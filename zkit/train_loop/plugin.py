@@ -21,11 +21,23 @@ def run_micro_batch(engine, batch):
     return engine(batch)
 
 
+def next_micro_batch(engine, data_iter, taken: int, what: str):
+    """The next micro-batch of ``data_iter``; one that ran out raises a ``StopIteration`` that says
+    so (loops that end an epoch on it still do), not a bare one."""
+    try:
+        return next(data_iter)
+    except StopIteration:
+        raise StopIteration(
+            f"engine.{what}: data_iter ran out after {taken} of the {engine.gradient_accumulation_steps()} "
+            f"micro-batches of a global batch (an empty dataset, or the end of its data)"
+        ) from None
+
+
 @zkit.hookimpl(trylast=True)
 def zkit_train_batch(engine, data_iter):
     losses = []
-    for _ in range(engine.gradient_accumulation_steps()):
-        loss = run_micro_batch(engine, next(data_iter))
+    for taken in range(engine.gradient_accumulation_steps()):
+        loss = run_micro_batch(engine, next_micro_batch(engine, data_iter, taken, "train_batch"))
         engine.backward(loss)
         engine.step()
         losses.append(loss.detach().float())
@@ -38,8 +50,8 @@ def zkit_eval_batch(engine, data_iter):
     engine.eval()
     try:
         with torch.no_grad():
-            losses = [run_micro_batch(engine, next(data_iter)).detach().float()
-                      for _ in range(engine.gradient_accumulation_steps())]
+            losses = [run_micro_batch(engine, next_micro_batch(engine, data_iter, taken, "eval_batch")).detach().float()
+                      for taken in range(engine.gradient_accumulation_steps())]
     finally:
         engine.train(was_training)
     return torch.stack(losses).mean()

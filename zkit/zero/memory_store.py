@@ -129,7 +129,9 @@ class InMemoryMasterStore:
     def _master_grads(self) -> list[torch.Tensor]:
         shards = self._grads()
         if self.master_is_param:
-            return shards
+            # fp32 training: the shards are fp32 unless data_types.grad_accum_dtype made them 16-bit,
+            # and the fp32 master (the parameters) takes only an fp32 .grad
+            return [g if g.dtype == torch.float32 else g.float() for g in shards]
         # To the master's memory and fp32: on the side stream, a bounded number at a time, while
         # the next ones are issued; the step reads them on the host once each has landed.
         copies = self.owner.allocator.copies

@@ -72,7 +72,9 @@ class DataTypesConfig:
         None,
         check=one_of(DTYPE_NAMES),
         edge=normalize_dtype,
-        doc="Gradient accumulation dtype: fp32, fp16 or bf16 (null: the training dtype).",
+        doc="Gradient accumulation dtype: fp32, fp16 or bf16 (null: the training dtype). At ZeRO stages 2-3 the "
+            "reduced gradient shards add the micro-steps in it (in fp32 training too: the step then takes their fp32 "
+            "value); stages 0-1 accumulate in the parameters' own .grad and refuse any other than the training dtype.",
     )
 
 
