@@ -90,6 +90,13 @@ FEATURES: dict[str, str] = {
                  "reference's tolerance",
     "pipeline_dp": "zkit-pipeline: a PipelineModule of 2 stages x 2 data-parallel replicas on 4 ranks (run as a "
                    "group of its own, against the 2-rank references)",
+    "sequence_parallel": "zkit-sequence: sequence_parallel_size 2 over the 2 ranks (one data-parallel replica), the "
+                         "model the GPT with its attention the ulysses record around its own (dense, or block_sparse); "
+                         "each rank takes its half of every sequence with its position ids, and the loss is the "
+                         "sequence-mean cross-entropy (zkit_sequence.sequence_cross_entropy). The gradients are still "
+                         "reduced over both ranks (ZeRO shards over every data x sequence rank). The run shows the "
+                         "all-to-alls went through the sequence group's communicator and every attention was bound "
+                         "to it",
     "comm_bf16": "communication_data_type \"bf16\" (DeepSpeed's key): each rank's gradients are rounded to bf16 and "
                  "reduced in bf16, then used in the training dtype. The rounding is what is computed, so the "
                  "reference keeps it: at 2 ranks every stage rounds the same per-rank values once and sums two "
@@ -103,7 +110,10 @@ FEATURES: dict[str, str] = {
 NUMERICS = ("bf16", "fp16", "clipping", "onebit_adam", "zeroone_adam", "client_sgd", "tied_weights",
             "block_sparse", "comm_bf16")
 #: features with a model of a transformer's layers (the others train the residual network)
-GPT_FEATURES = ("block_sparse", "tied_weights")
+GPT_FEATURES = ("block_sparse", "tied_weights", "sequence_parallel", "gpt")
+#: not a feature of the matrix: the dense GPT, which a model feature that does not change what is
+#: computed (sequence_parallel) keeps in its reference
+GPT_MODEL = "gpt"
 #: features whose blocks hold what Dynamo cannot trace (zkit-sparse's CPU kernel): under compile a
 #: checkpointed block of theirs runs eagerly as a whole
 UNTRACEABLE_BLOCKS = ("block_sparse",)
@@ -160,6 +170,10 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("step_in_backward", "custom_allocator"): ("as for nvme_offload", ("allocator 'nvme'", "allocator='counting'",
                                                                        "offload")),
     ("step_in_backward", "zeroone_adam"): ("as for nvme_offload", ("zerooneadam", "nvme")),
+    **{(split, "sequence_parallel"): ("sequence parallelism splits the whole world into sequence groups; a pipeline "
+                                      "or tensor-parallel model brings a data-parallel group of its own",
+                                      ("sequence_parallel_size", "pipeline or tensor parallelism"))
+       for split in ("pipeline", "tensor_parallel", "pipeline_dp")},
 }
 #: pairs initialize accepts whose checkpoint round trip is refused, at the save (the DCP export) or
 #: at the load, with an error naming both: why, and the words the error must contain. A DCP
@@ -222,22 +236,26 @@ def reference_of(pair: tuple[str, str]) -> tuple[str, ...]:
 
 def numerics(features: tuple[str, ...], kinds: tuple[str, ...]) -> tuple[str, ...]:
     """The features of ``kinds`` that change what ``features`` compute: ``comm_bf16`` rounds the
-    reduced gradients, and with one data-parallel replica at stages 0-1 nothing is reduced."""
-    return tuple(f for f in features if f in kinds and not (f == "comm_bf16" and not reduces(features)))
+    reduced gradients, and with one data-parallel replica at stages 0-1 nothing is reduced. A
+    sequence-parallel run's reference is the GPT on the whole sequence."""
+    kept = tuple(f for f in features if f in kinds and not (f == "comm_bf16" and not reduces(features)))
+    if "sequence_parallel" in features and not set(kept) & set(GPT_FEATURES):
+        kept = (*kept, GPT_MODEL)
+    return kept
 
 
 def reduces(features: tuple[str, ...]) -> bool:
     """Whether a run's gradients go through a reduction: over several replicas, or at stages 2-3
     (whose buckets are reduce-scattered even on one rank)."""
     stage = config(tuple(f for f in features if f in FEATURES), "")["zero_optimization"]["stage"]
-    return replicas(features) > 1 or (isinstance(stage, int) and stage >= 2)
+    return reduced_over(features) > 1 or (isinstance(stage, int) and stage >= 2)
 
 
 def compresses(features: tuple[str, ...]) -> bool:
     """Whether a run's gradients travel 1-bit compressed: not with one data-parallel replica (there
     is no gradient to reduce), nor under a 1-bit optimizer (it keeps compression off in its
     warm-up, which is as far as these runs go)."""
-    return ("onebit_comm" in features and replicas(features) > 1
+    return ("onebit_comm" in features and reduced_over(features) > 1
             and not {"onebit_adam", "zeroone_adam"} & set(features))
 
 
@@ -248,8 +266,12 @@ def tolerance(features: tuple[str, ...]) -> float:
         # (of a tensor's largest weight, counted as at least SCALE_FLOOR: see scale_floor)
     if "bf16" in features and "tensor_parallel" in features:
         return 1e-1  # and each tensor rank rounds its partial product to bf16 before they are summed
-    if "bf16" in features:
-        return 5e-2  # bf16 keeps 8 bits: accumulating two micro-batches rounds differently from one
+    if "bf16" in features or {"comm_bf16", "sequence_parallel"} <= set(features):
+        # bf16 keeps 8 bits: accumulating two micro-batches rounds differently from one; with sequence
+        # parallelism each rank's gradient (of half of every sequence, the reference's of half the rows)
+        # rounds to bf16 differently in every element, and Adam turns those of nearly cancelling halves
+        # into steps of either sign
+        return 5e-2
     if "fp16" in features or rounds_accumulated(features):
         return 2e-3
     return 1e-5
@@ -258,7 +280,9 @@ def tolerance(features: tuple[str, ...]) -> float:
 def rounds_accumulated(features: tuple[str, ...]) -> bool:
     """Whether a run rounds a sum to bf16 where its reference rounds its terms (comm_bf16 with
     accumulation; or with one replica at stages 2-3, whose one-rank bucket rounds the whole
-    gradient where the 2-rank reference rounds each rank's half): the fp32 sums differ in their last bits, so an element
+    gradient where the 2-rank reference rounds each rank's half; or with sequence parallelism, whose
+    ranks round the gradients of half of every sequence where the reference's round half the
+    rows): the fp32 sums differ in their last bits, so an element
     on a bf16 rounding boundary lands one bf16 step (2^-8 of its gradient) away, which moves its
     Adam steps by about that fraction of lr (3 steps of lr 1e-2: under 3e-4, 2e-3 of a weight of
     0.15)."""
@@ -274,11 +298,17 @@ def scale_floor(features: tuple[str, ...]) -> float:
 
 
 def replicas(features: tuple[str, ...]) -> int:
-    """Data-parallel replicas of a run: a 2-stage pipeline or 2 tensor ranks on 2 ranks make one;
-    the 2 x 2 pipeline has 2 (with tensor parallelism too, on 8 ranks)."""
+    """Data-parallel replicas of a run: a 2-stage pipeline, 2 tensor ranks or 2 sequence ranks on 2
+    ranks make one; the 2 x 2 pipeline has 2 (with tensor parallelism too, on 8 ranks)."""
     if "pipeline_dp" in features:
         return 2
-    return 1 if {"pipeline", "tensor_parallel"} & set(features) else 2
+    return 1 if {"pipeline", "tensor_parallel", "sequence_parallel"} & set(features) else 2
+
+
+def reduced_over(features: tuple[str, ...]) -> int:
+    """The ranks a run's gradients are reduced over: its replicas, and with sequence parallelism
+    both ranks of its one replica."""
+    return 2 if "sequence_parallel" in features else replicas(features)
 
 
 def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
@@ -321,6 +351,8 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
         cfg["gradient_predivide_factor"] = 2.0
     if "comm_bf16" in features:
         cfg["communication_data_type"] = "bf16"
+    if "sequence_parallel" in features:
+        cfg["sequence_parallel_size"] = 2
     if "act_ckpt" in features:
         cfg["activation_checkpointing"] = {"cpu_checkpointing": True}
     if "act_ckpt_plain" in features:  # DeepSpeed's keys, each off: what a default section gives
@@ -353,7 +385,8 @@ def markdown() -> str:
         "- **=**: the pair trains and its parameters equal its reference, the same run with only the",
         "  pair's numerics and model features (dtype, clipping, optimizer, GPT model) at ZeRO stage 0",
         "  on 2 ranks without offload, accumulation, checkpointing, pipeline or tensor parallelism",
-        "  (fp32 within 1e-5 relative, fp16 and bf16-reduced accumulated gradients 2e-3, bf16 5e-2,",
+        "  (fp32 within 1e-5 relative, fp16 and bf16-reduced accumulated gradients 2e-3, bf16 and",
+        "  bf16-reduced gradients of sequence-parallel ranks 5e-2,",
         "  bf16 with tensor parallelism 1e-1, 1-bit compressed gradients 3e-1 of a tensor's largest",
         "  weight counted as at least 0.1), and the run",
         "  shows that each of its features ran (`tests/composition_evidence.py`: bytes sent compressed,",

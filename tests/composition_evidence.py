@@ -150,6 +150,21 @@ def _sparse(model: torch.nn.Module) -> str | None:
     return None if any(isinstance(m, SparseSelfAttention) for m in model.modules()) else "no block-sparse attention"
 
 
+def _sequence(engine: Any, model: torch.nn.Module) -> str | None:
+    """Every Ulysses attention is bound to the engine's 2-rank sequence group, and the all-to-alls
+    went through that group's communicator."""
+    from zkit_sequence import UlyssesAttention, sequence_communicator
+
+    comm = sequence_communicator(engine)
+    if comm is None or comm.world_size != 2:
+        return f"the engine's sequence-parallel communicator is {comm!r}"
+    attentions = [m for m in model.modules() if isinstance(m, UlyssesAttention)]
+    if not attentions or any(m.comm is not comm for m in attentions):
+        return f"{len(attentions)} Ulysses attention modules, not every one bound to the sequence group"
+    calls = comm.stats().get("all_to_all", {}).get("calls", 0)
+    return None if calls > 0 else "no all-to-all went through the sequence group's communicator"
+
+
 def _overlap_gather(engine: Any, run: dict) -> str | None:
     """At stages 1-2 over several replicas the parameters were gathered in the background and
     waited for (composition_ranks.count_gathers); elsewhere the setting has no effect, as
@@ -250,6 +265,7 @@ CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
     "offload_states": lambda e, m, r: _offloaded(r),
     "predivide": lambda e, m, r: _predivided(e),
     "comm_bf16": lambda e, m, r: _reduced_in_bf16(r),
+    "sequence_parallel": lambda e, m, r: _sequence(e, m),
     # the fuzzer's features (composition_fuzz_model.py)
     "zero_init": lambda e, m, r: (None if r["init_partitioned"] or e.zero_optimization_stage() != 3
                                   else "zero.Init at stage 3 built whole parameters"),

@@ -10,7 +10,7 @@ import torch
 import composition_fuzz_model as fuzz
 import composition_ranks
 from composition_evidence import missing
-from composition_models import batch, build, is_pipeline, loss, named_params, plain_names
+from composition_models import batch, build, is_pipeline, micro_step_loss, named_params, plain_names
 
 STEPS = composition_ranks.STEPS
 
@@ -75,7 +75,7 @@ def _train(engine, features, cfg, steps, run: dict, micro=slice(None)) -> None:
             engine.train_batch(iter(batches))
         else:
             for xs, ys in batches:
-                engine.backward(loss(engine(xs), ys))
+                engine.backward(micro_step_loss(engine, features, xs, ys))
                 engine.step()
         if micro.stop is None:  # a step ended (not the first half of a batch before a save)
             composition_ranks.between_steps(engine, features, run)

@@ -25,8 +25,8 @@ class Embed(torch.nn.Module):
         self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.wpe = torch.nn.Embedding(cfg.seq_len, cfg.d_model)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.wte(ids) + self.wpe(torch.arange(ids.shape[1]) if positions is None else positions)
 
 
 class Head(torch.nn.Module):
@@ -64,10 +64,12 @@ def gpt_config(features: tuple[str, ...]):
     from zkit.models.gpt import GPTConfig
 
     sparse = "block_sparse" in features
-    return GPTConfig(vocab_size=16, seq_len=32, n_layer=2, n_head=2, d_model=8,
-                     attention="block_sparse" if sparse else "dense",
-                     attention_kwargs={"mode": "fixed", "block": 8, "num_local_blocks": 2} if sparse else {},
-                     tie_embeddings="tied_weights" in features)
+    attention = "block_sparse" if sparse else "dense"
+    kwargs = {"mode": "fixed", "block": 8, "num_local_blocks": 2} if sparse else {}
+    if "sequence_parallel" in features:  # the same attention, on each rank's heads of the whole sequence
+        attention, kwargs = "ulysses", {"inner": attention, **kwargs}
+    return GPTConfig(vocab_size=16, seq_len=32, n_layer=2, n_head=2, d_model=8, attention=attention,
+                     attention_kwargs=kwargs, tie_embeddings="tied_weights" in features)
 
 
 def checkpoints(features: tuple[str, ...]) -> bool:
@@ -105,13 +107,16 @@ class Net(torch.nn.Module):
         if "tied_weights" in features:
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         from zkit.activations import checkpointing
         from zkit.models.gpt import Block
 
         for layer in self.layers:
             blocks = isinstance(layer, (Residual, Block))
-            x = checkpointing.checkpoint(layer, x) if self.ckpt and blocks else layer(x)
+            if isinstance(layer, Embed):
+                x = layer(x, positions)
+            else:
+                x = checkpointing.checkpoint(layer, x) if self.ckpt and blocks else layer(x)
         return x
 
 
@@ -134,6 +139,18 @@ def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if y.dtype == torch.long:  # the GPT's next tokens
         return torch.nn.functional.cross_entropy(out.float().reshape(-1, out.shape[-1]), y.reshape(-1))
     return (out.float() - y).pow(2).mean()
+
+
+def micro_step_loss(engine, features: tuple[str, ...], xs: torch.Tensor, ys: torch.Tensor) -> torch.Tensor:
+    """The loss of one micro-batch through ``engine``; with sequence parallelism, of this rank's
+    half of every sequence (with its positions), the sequence-mean cross-entropy."""
+    if "sequence_parallel" not in features:
+        return loss(engine(xs), ys)
+    from zkit_sequence import sequence_communicator, sequence_cross_entropy, shard, with_positions
+
+    comm = sequence_communicator(engine)
+    xs, ys, positions = shard(with_positions((xs, ys)), comm.rank, comm.world_size)
+    return sequence_cross_entropy(engine(xs, positions[0]), ys, comm)
 
 
 def batch(step: int, features: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor]:

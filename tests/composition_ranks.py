@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 import composition as matrix
-from composition_models import batch, build, is_pipeline, loss, named_params
+from composition_models import batch, build, is_pipeline, micro_step_loss, named_params
 
 STEPS = 3
 
@@ -44,7 +44,7 @@ def _train(engine, features: tuple[str, ...], cfg: dict, steps: range, run: dict
             engine.train_batch(iter(batches))
         else:
             for xs, ys in batches:
-                engine.backward(loss(engine(xs), ys))
+                engine.backward(micro_step_loss(engine, features, xs, ys))
                 engine.step()
         between_steps(engine, features, run)
 
@@ -97,7 +97,7 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
     run["recompute"] = RecomputeCounter(model)
     run["compresses"] = matrix.compresses(features)
     run["untraceable_blocks"] = bool(set(matrix.UNTRACEABLE_BLOCKS) & set(features))
-    run["replicas"] = matrix.replicas(features)
+    run["replicas"] = matrix.reduced_over(features)  # the ranks gradients are reduced over
     run["accum_base"] = matrix.config(tuple(f for f in features if f != "grad_accum"), "")[
         "gradient_accumulation_steps"]
     if "client_sgd" in features:

@@ -34,7 +34,7 @@ def test_a_sequence_that_does_not_split_is_refused():
 
 
 def test_the_key_must_divide_the_world():
-    with pytest.raises(ConfigError, match="'sequence_parallel_size' 3 does not divide the world of 4 ranks"):
+    with pytest.raises(ConfigError, match="'sequence_parallel_size' 3 does not divide the 4 data-parallel ranks"):
         load_config({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 3}, world_size=4)
     with pytest.raises(ConfigError, match="'sequence_parallel_size' must be an int >= 1, got 0"):
         load_config({"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 0}, world_size=4)

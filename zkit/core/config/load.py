@@ -127,8 +127,9 @@ def _sequence_parallel_size(value: Any, world_size: int) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError.at(SP, f"must be an int >= 1, got {value!r}")
     if world_size % value:
-        raise ConfigError.at(SP, f"{value} does not divide the world of {world_size} ranks: each sequence is split "
-                                 f"over {SP} ranks, and the rest are data-parallel replicas")
+        raise ConfigError.at(SP, f"{value} does not divide the {world_size} data-parallel ranks (the world, or the "
+                                 f"data-parallel group of a model that brings its own: pipeline or tensor "
+                                 f"parallelism): each sequence is split over {SP} ranks")
     return value
 
 
