@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -159,14 +160,22 @@ def run(side: str, setting: str, src: Path, model: Path, work: Path, timeout: fl
            "--model_name_or_path", str(model), "--output_dir", str(out / "saved"),
            "--data_output_path", str(out / "data"), *COMMON, *SETTINGS[setting]]
     # the real DeepSpeed's CPU Adam, JIT-built once at `make peers`, lives in the peer environment
-    extensions = {"TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-peers" / "torch_extensions")} if side == "deepspeed" else {}
+    # (unless TORCH_EXTENSIONS_DIR says where else)
+    extensions = {}
+    if side == "deepspeed" and "TORCH_EXTENSIONS_DIR" not in os.environ:
+        extensions = {"TORCH_EXTENSIONS_DIR": str(ROOT / ".venv-peers" / "torch_extensions")}
     env = _env(**extensions, DSCHAT_SRC=str(src), DSCHAT_VOCAB=str(MODEL["vocab_size"]), DSCHAT_SEQ="16",
                DSCHAT_TRAIN=str(TRAIN_SEQUENCES), DSCHAT_EVAL=str(EVAL_SEQUENCES))
+    # a session of its own: on a timeout the launcher's ranks go too, not only the launcher
+    proc = subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=timeout)
-        text, code = proc.stdout + proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        text, code = f"{exc.stdout or ''}{exc.stderr or ''}\ntimed out after {timeout:.0f} s", -1
+        text, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        text, code = f"{text}\ntimed out after {timeout:.0f} s", -1
     (out / "log.txt").write_text(text)
     losses = {f"{m[3]}:{int(m[1]) * 1000 + int(m[2])}": float(m[4]) for m in LOSS.finditer(text)}
     weights = out / "saved" / "pytorch_model.bin"

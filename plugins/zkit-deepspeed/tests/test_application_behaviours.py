@@ -267,21 +267,56 @@ def test_module_to_on_a_zero3_partitioned_module():
                                       "to torch.float16 after initialize is not supported")
 
 
+class _Tied(torch.nn.Module):
+    """Tied weights, a frozen layer, a persistent and a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4, 4)
+        self.frozen = torch.nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.last = torch.nn.Linear(4, 4)
+        self.last.weight = self.first.weight
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("scratch", torch.zeros(4), persistent=False)
+
+    def forward(self, x):
+        return self.last(self.frozen(self.first(x)) * self.scale)
+
+
 def _save_rank(folder: str) -> dict:
     import deepspeed
 
     out = {}
     for stage in (0, 2):
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
         config = {"train_batch_size": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                   "zero_optimization": {"stage": stage}}
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine, *_ = deepspeed.initialize(model=_Tied(), config=config)
         engine.backward(engine(torch.randn(2, 4)).sum())
         engine.step()
-        engine.save_checkpoint(f"{folder}/stage{stage}")
-        out[stage] = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+        engine.save_checkpoint(f"{folder}/stage{stage}", client_state={"mine": 1})
+        out[stage] = {n: t.detach().clone() for n, t in engine.module.state_dict().items()}
+        _, client = engine.load_checkpoint(f"{folder}/stage{stage}")
+        out[f"client{stage}"] = client
     return out
+
+
+def test_load_checkpoint_returns_deepspeeds_keys_beside_the_client_state():
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        out = run_ranks(_save_rank, 2, args=(folder,), timeout=300)[0]
+    stage0, stage2 = out["client0"], out["client2"]
+    for client in (stage0, stage2):
+        assert client["mine"] == 1 and client["buffer_names"] == ["scale"]
+        assert client["ds_version"].endswith("+zkit") and client["ds_config"]["zero_optimization"]["stage"] in (0, 2)
+    # DeepSpeed writes None for these without ZeRO optimizer state
+    assert stage0["param_shapes"] is stage0["shared_params"] is stage0["frozen_param_shapes"] is None
+    assert stage2["param_shapes"] == [{"first.weight": torch.Size([4, 4]), "first.bias": torch.Size([4]),
+                                       "last.bias": torch.Size([4])}]
+    assert stage2["shared_params"] == {"last.weight": "first.weight"}
+    assert stage2["frozen_param_shapes"] == {"frozen.weight": torch.Size([4, 4]), "frozen.bias": torch.Size([4])}
 
 
 def test_a_zero_checkpoint_folder_holds_zero_to_fp32_py_as_deepspeeds_does(tmp_path):

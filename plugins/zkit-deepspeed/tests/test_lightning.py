@@ -23,9 +23,10 @@ FLOWS = ["deepspeed_stage_2", "deepspeed_stage_3", "deepspeed_stage_3_offload"]
 #: DeepSpeedCPUAdam (DeepSpeed's C++ kernel) against zkit's CPU Adam: equal to rounding (weights near
 #: zero: to 1e-6 absolute)
 RTOL = {"deepspeed_stage_3_offload": 1e-5}
-#: what DeepSpeed's model file holds besides the client state (Lightning keeps them in its converted file)
-DEEPSPEED_ONLY = {"buffer_names", "checkpoint_parallel_dimensions", "data_sampler", "ds_config", "ds_version",
-                  "frozen_param_fragments", "frozen_param_shapes", "param_shapes", "random_ltd", "shared_params"}
+#: what DeepSpeed's model file holds besides the client state that the drop-in's does not (Lightning keeps
+#: them in its converted file): the parallel degrees, the frozen parameters' values and two features zkit
+#: lacks (its ds_config, ds_version, buffer_names, param_shapes, frozen_param_shapes and shared_params are there)
+DEEPSPEED_ONLY = {"checkpoint_parallel_dimensions", "data_sampler", "frozen_param_fragments", "random_ltd"}
 
 
 def _command(python: str, out: Path) -> Command:

@@ -70,10 +70,16 @@ class DeepSpeedEngine(Engine):
 
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> str:
-        """zkit's save, then, as DeepSpeed does for ZeRO (and bf16) checkpoints, rank 0 copies
+        """zkit's save, with DeepSpeed's keys beside the weights in the client state
+        (:mod:`zkit_deepspeed.model_state_keys`: ``load_checkpoint`` returns them as DeepSpeed's
+        does); then, as DeepSpeed does for ZeRO (and bf16) checkpoints, rank 0 copies
         ``zero_to_fp32.py`` into ``save_dir``: ``python <save_dir>/zero_to_fp32.py <save_dir> <out>``
         writes the fp32 weights. Every rank raises if the copy failed."""
-        where = super().save_checkpoint(save_dir, tag=tag, client_state=client_state, save_latest=save_latest,
+        from zkit_deepspeed.model_state_keys import deepspeed_model_state_keys
+
+        # DeepSpeed's keys beside the weights, then the client's (which win, as in DeepSpeed)
+        state = {**deepspeed_model_state_keys(self, exclude_frozen_parameters), **(client_state or {})}
+        where = super().save_checkpoint(save_dir, tag=tag, client_state=state, save_latest=save_latest,
                                         exclude_frozen_parameters=exclude_frozen_parameters)
         if self.zero_optimization_stage() > 0 or self.bfloat16_enabled():
             error = None
