@@ -16,7 +16,8 @@ import peer_env
 ROOT = Path(__file__).resolve().parents[3]
 SRC = os.environ.get("ZKIT_DEEPSPEED_CHAT_SRC")
 #: the largest differences allowed, over every rank and micro-step, and over the saved bf16 weights
-LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-5, 1e-2
+#: (measured: ZeRO-2 0 and 9.5e-7, ZeRO-3 1.7e-4 and 1.2e-4; docs/migrating-from-deepspeed.md)
+LOSS_TOLERANCE, WEIGHT_TOLERANCE = 1e-3, 1e-3
 
 
 def _runner():
