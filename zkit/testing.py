@@ -22,7 +22,8 @@ rank starts in a fraction of a second. Each rank still receives the caller's env
 process starts (glibc's ``MALLOC_*``), and its own copy of torch's pages, which a memory cgroup the
 rank joins does not count. Benchmarks that measure memory therefore keep ``spawn``.
 
-Also here for tests: :class:`CountingBackend` (a ``torch.compile`` backend counting graphs) and
+Also here for tests: :class:`CountingBackend` (a ``torch.compile`` backend counting graphs),
+:class:`OpsOutsideCompiledGraphs` (the aten ops a call dispatches outside compiled graphs) and
 :class:`CountingCommunicator` with :func:`counting_communicator_record` (a third-party
 communicator: torch's, counting its calls).
 """
@@ -38,6 +39,8 @@ import time
 import traceback
 from collections import Counter
 from typing import Any, Callable, Sequence
+
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zkit.core.communicator import Communicator
 from zkit.rank_failures import is_secondary
@@ -243,12 +246,33 @@ class CountingBackend:
 
     def __init__(self, inner: str = "aot_eager") -> None:
         self.inner, self.graphs = inner, 0
+        self.graph_modules: list[Any] = []  # the FX graphs, in the order Dynamo handed them over
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         import torch._dynamo
 
         self.graphs += 1
+        self.graph_modules.append(gm)
         return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+
+class OpsOutsideCompiledGraphs(TorchDispatchMode):
+    """``with OpsOutsideCompiledGraphs() as mode: f()`` lists in ``mode.ops`` the aten ops ``f``
+    dispatched outside compiled graphs (about one kernel launch each on a GPU). Compiled graphs
+    keep running compiled under it (``ignore_compile_internals``); under a plain dispatch mode
+    Dynamo skips the frame and the call runs eagerly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        return True
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 

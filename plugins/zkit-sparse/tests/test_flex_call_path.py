@@ -159,3 +159,24 @@ def test_compiled_call_is_one_graph_without_breaks(with_masks):
         explained = torch._dynamo.explain(flex_attention)(q, k, v, score_mod=score_mod,
                                                           block_mask=bm, scale=0.3)
     assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+
+
+def test_input_checks_run_again_only_when_shapes_change(monkeypatch):
+    """The checks depend on the shapes only: a repeated call does not redo them, a new shape
+    (a bad one included) does."""
+    cfg = FixedSparsityConfig(2, block=16, num_local_blocks=2, attention="unidirectional")
+    attn = SparseSelfAttention(cfg, max_seq_length=64, backend="torch")
+    import zkit_sparse.attention as attention
+    monkeypatch.setattr(attention, "block_sparse_attention", lambda q, *a, **k: q)
+    checked = []
+    real_check = attn._check
+    monkeypatch.setattr(attn, "_check", lambda *a: checked.append(a[0].shape) or real_check(*a))
+    q = torch.randn(1, 2, 64, 8)
+    for _ in range(3):
+        attn(q, q, q)
+    attn(q[:, :, :32], q[:, :, :32], q[:, :, :32])
+    assert checked == [q.shape, torch.Size([1, 2, 32, 8])]
+    with pytest.raises(ValueError, match="query, key and value shapes differ"):
+        attn(q, q[:, :, :32], q)
+    with pytest.raises(ValueError, match=r"key_padding_mask must be \[batch, seq\] = \(1, 64\), got \(1, 32\)"):
+        attn(q, q, q, key_padding_mask=torch.zeros(1, 32))

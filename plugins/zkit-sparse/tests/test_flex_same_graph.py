@@ -3,7 +3,7 @@
 On the CPU, where FlexAttention's forward compiles, one shape is called through
 ``SparseSelfAttention(backend="flex", flex_compile=True)`` and through
 ``torch.compile(flex_attention)`` with a ``create_block_mask`` mask over the same token mask, both
-compiled by inductor behind a recording backend. They compile one frame each, the same graph
+compiled by inductor behind a graph-keeping backend. They compile one frame each, the same graph
 (same operators, same ``kernel_options``, same scale, the same trivial ``score_mod``), recompile
 nothing on later calls (nor for a second module), break no graph, and dispatch the same aten ops
 per call outside the compiled graph (none, on this torch). Their ``BlockMask`` holds the same
@@ -16,8 +16,8 @@ import operator
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from zkit.testing import CountingBackend, OpsOutsideCompiledGraphs
 from zkit_sparse import BigBirdSparsityConfig, BSLongformerSparsityConfig, FixedSparsityConfig
 from zkit_sparse import SparseSelfAttention, block_attention_flex
 from zkit_sparse.flex_block_mask import layout_block_mask
@@ -27,37 +27,6 @@ flex = pytest.importorskip("torch.nn.attention.flex_attention")
 # The GPU bench's geometry, small: 64-token layout blocks in 128-token FlexAttention tiles.
 H, T, D, BLK, TILE = 2, 1024, 16, 64, 128
 FIXED = dict(num_local_blocks=4, num_global_blocks=1, attention="unidirectional")
-
-
-class OpsOutsideCompiledGraphs(TorchDispatchMode):
-    """Aten ops dispatched while it is active, except inside compiled graphs: about one kernel
-    launch each on a GPU. ``ignore_compile_internals`` keeps torch.compile compiling under it
-    (a plain mode makes Dynamo skip the frame and run eagerly)."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops: list[str] = []
-
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
-class RecordingInductor:
-    """A torch.compile backend: inductor, keeping every graph it is given."""
-
-    def __init__(self):
-        self.graphs: list[torch.fx.GraphModule] = []
-
-    def __call__(self, gm, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
-        self.graphs.append(gm)
-        return compile_fx(gm, example_inputs)
 
 
 def graph_lines(gm: torch.fx.GraphModule) -> list[str]:
@@ -109,8 +78,8 @@ def test_flex_backend_runs_the_hand_written_graph_with_no_extra_ops(monkeypatch)
 
     torch._dynamo.reset()
     counters.clear()
-    ours_backend, hand_backend = RecordingInductor(), RecordingInductor()
-    # the process's compiled flex_attention, observed through a recording inductor backend
+    ours_backend, hand_backend = CountingBackend("inductor"), CountingBackend("inductor")
+    # the process's compiled flex_attention, observed through a graph-keeping inductor backend
     monkeypatch.setitem(block_attention_flex._COMPILED, "inductor",
                         torch.compile(flex.flex_attention, dynamic=False, backend=ours_backend))
     cfg = FixedSparsityConfig(H, block=BLK, **FIXED)
@@ -134,11 +103,12 @@ def test_flex_backend_runs_the_hand_written_graph_with_no_extra_ops(monkeypatch)
         # another module of the same geometry (a second layer, a rebuilt model): same graph
         SparseSelfAttention(cfg, max_seq_length=T, backend="flex", flex_compile=True)(q, k, v)
 
-    assert len(ours_backend.graphs) == len(hand_backend.graphs) == 1  # no recompilation
-    assert graph_lines(ours_backend.graphs[0]) == graph_lines(hand_backend.graphs[0])
+    assert ours_backend.graphs == hand_backend.graphs == 1  # no recompilation
+    ours, theirs = ours_backend.graph_modules[0], hand_backend.graph_modules[0]
+    assert graph_lines(ours) == graph_lines(theirs)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
     assert ops == {"hand": [], "zkit": []}
-    hop = [n for n in ours_backend.graphs[0].graph.nodes if n.op == "call_function"]
+    hop = [n for n in ours.graph.nodes if n.op == "call_function"]
     assert [n.target for n in hop] == [torch.ops.higher_order.flex_attention, operator.getitem]
     scale, kernel_options = hop[0].args[5], hop[0].args[6]
     assert scale == D ** -0.5 and kernel_options["BACKEND"] == "AUTO"  # flex_attention's defaults

@@ -12,6 +12,7 @@ torch at 4096 tokens and torch beat numba at 16384 (docs/plugins/sparse.md has t
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -36,6 +37,7 @@ def check_backend(backend: str, dropout: float) -> str:
     return backend
 
 
+@functools.cache  # asked at every call of backend="flex"; the answer holds for the process
 def flex_unavailable_reason(device_type: str = "cuda") -> str | None:
     """Why FlexAttention cannot run on ``device_type`` here, or None."""
     if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:

@@ -78,7 +78,7 @@ def flex_block_sparse_attention(q, k, v, block_mask, scale: float,
     ``compile_backend=None`` runs FlexAttention eagerly (forward only on the CPU). Nothing else
     runs on the tensors: the call dispatches the ops a hand-written compiled ``flex_attention``
     call dispatches, plus the padding of masks when some are given."""
-    trains = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
+    trains = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     if trains and q.is_cuda:  # refused before compiling, not at the first backward
         check_backward_tile(tuple(block_mask.BLOCK_SIZE), q.shape[-1], q.dtype, q.device)
     elif trains and q.device.type == "cpu":  # compiled or not: torch raises NotImplementedError
