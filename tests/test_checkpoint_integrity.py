@@ -4,9 +4,7 @@ staging of a save that died are handled with a message naming the file."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -142,13 +140,10 @@ def test_stale_staging_of_a_dead_save_is_removed_at_the_next_save(tmp_path):
 @pytest.fixture
 def tiny_disk(tmp_path):
     """A 256 KiB tmpfs: a save fills it (needs root; skipped otherwise)."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)],
-                                           capture_output=True).returncode != 0:
-        pytest.skip("mounting a small tmpfs needs root")
-    yield mnt
-    subprocess.run(["umount", str(mnt)], check=False)
+    from checkpoint_fault_ranks import small_tmpfs
+
+    with small_tmpfs(tmp_path / "disk"):
+        yield tmp_path / "disk"
 
 
 def test_a_full_disk_says_so_naming_the_file(tiny_disk):

@@ -280,6 +280,32 @@ def test_a_stage0_deepspeed_checkpoint_is_refused(tmp_path):
         DeepSpeedCheckpoint(where)
 
 
+def test_a_deepspeed_checkpoint_refused_on_one_rank_is_refused_on_every_rank(deepspeed_run, tmp_path):
+    """A NaN in rank 1's fp32 master (a run that diverged, or damage): at the same world size and
+    stage only rank 1 reads that file; every rank refuses, naming it, with its state unchanged."""
+    import shutil
+    import struct
+
+    from checkpoint_fault_ranks import load_refused_deepspeed
+    from zkit_deepspeed.checkpoint.unpickler import load_file
+
+    root, _ = deepspeed_run
+    shutil.copytree(root / "2-fp32", tmp_path / "ckpt")
+    where = tmp_path / "ckpt" / f"global_step{BEFORE}"
+    optim = where / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    master = load_file(optim)["optimizer_state_dict"]["single_partition_of_fp32_groups"][0]
+    raw = bytearray(optim.read_bytes())
+    at = raw.find(master[:16].numpy().tobytes())
+    assert at > 0
+    raw[at : at + 4] = struct.pack("<f", float("nan"))
+    optim.write_bytes(bytes(raw))
+    results = run_ranks(load_refused_deepspeed, 2, args=(str(tmp_path / "ckpt"),), timeout=300)
+    assert results[0] == results[1], results
+    assert results[0]["unchanged"]
+    assert results[0]["message"].startswith(f"loading DeepSpeed checkpoint {where} failed; rank 1: {optim}: the fp32 "
+                                            f"master weights of "), results[0]["message"]
+
+
 # -- DeepSpeed PipelineModule checkpoints ----------------------------------------------------------------
 
 #: DeepSpeed's pipeline runs: 2 stages x 2 data-parallel ranks, ZeRO-1 in fp32 and bf16

@@ -33,6 +33,7 @@ from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.optim_state import StatePlacer
 from zkit.checkpoint.piece_source import PieceSource
 from zkit.core.plugin_manager import ZkitPluginManager
+from zkit.core.verdicts import agreed
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine
@@ -175,7 +176,30 @@ def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool,
     """Fill every piece this rank owns from the DCP checkpoint at ``where``: the weights under
     ``model.<fqn>`` (or bare ``<fqn>``), and, with ``load_optimizer_states``, the state under
     ``optimizer.state.<fqn>.<key>``. Counters start at 0 (DCP carries no zkit training state).
-    Refused when the engine has state to restore that DCP does not hold (:func:`_state_dcp_lacks`)."""
+    Refused when the engine has state to restore that DCP does not hold (:func:`_state_dcp_lacks`).
+    Every rank reads what it loads, then the ranks agree (:mod:`zkit.core.verdicts`): refused on
+    one rank, it is refused on all, with no rank's state changed."""
+    world = getattr(engine, "world_comm", engine.comm)
+    with agreed(world, f"loading DCP checkpoint {where}"):
+        pieces, staged = _read_dcp(engine, where, load_optimizer_states=load_optimizer_states,
+                                   load_lr_scheduler_states=load_lr_scheduler_states)
+    placer = StatePlacer(engine.optimizer)
+    for pc, master, slot in staged:
+        pc.master.view(-1).copy_(master.to(pc.master.device))
+        if slot:
+            engine.optimizer.state[pc.opt_param] = placer.place(pc.opt_param, slot)
+    engine.partitioner.after_load(pieces)
+    world.barrier()
+    if engine.rank == 0:
+        log.info("loaded DCP checkpoint %s (%d parameters%s)", where, len({pc.name for pc in pieces}),
+                 ", with optimizer state" if any(slot for _, _, slot in staged) else "")
+    return str(where), {}
+
+
+def _read_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool,
+              load_lr_scheduler_states: bool) -> tuple[list[Any], list[tuple[Any, torch.Tensor, dict[str, Any]]]]:
+    """This rank's pieces, and ``(piece, master values, optimizer state)`` of each, read from the
+    DCP checkpoint at ``where`` into buffers of their own (the engine unchanged)."""
     import torch.distributed.checkpoint as dcp
 
     lacking = _state_dcp_lacks(engine, load_optimizer_states=load_optimizer_states,
@@ -197,7 +221,6 @@ def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool,
     for pc in pieces:
         by_name.setdefault(pc.name, []).append(pc)
     state_keys = {}
-    placer = StatePlacer(engine.optimizer)
     if load_optimizer_states:
         for key in stored:
             if key.startswith("optimizer.state."):
@@ -208,6 +231,7 @@ def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool,
         if not state_keys:
             raise CheckpointError(f"{where}: the DCP checkpoint holds no optimizer state under optimizer.state.<name>; "
                                   "load with load_optimizer_states=False to take the weights")
+    staged = []
     for name, param in named.items():
         shape = tuple(stored[prefix + name].size)
         if shape != tuple(getattr(param, "ds_shape", param.shape)):
@@ -224,19 +248,12 @@ def load_dcp(engine: "Engine", where: Path, *, load_optimizer_states: bool,
             dcp.load(wanted, checkpoint_id=str(where), no_dist=True)
         flat = wanted[prefix + name].reshape(-1)
         for pc in by_name.get(name, ()):
-            pc.master.view(-1).copy_(flat[pc.start:pc.end].to(pc.master.device))
-            if state_keys.get(name):
-                slot = {}
-                for skey in state_keys[name]:
-                    value = wanted[f"optimizer.state.{name}.{skey}"]
-                    if value.dim() > 0 and value.numel() == flat.numel():
-                        slot[skey] = value.reshape(-1)[pc.start:pc.end].clone()
-                    else:
-                        slot[skey] = value.clone()
-                engine.optimizer.state[pc.opt_param] = placer.place(pc.opt_param, slot)
-    part.after_load(pieces)
-    getattr(engine, "world_comm", engine.comm).barrier()
-    if engine.rank == 0:
-        log.info("loaded DCP checkpoint %s (%d parameters%s)", where, len(named),
-                 ", with optimizer state" if state_keys else "")
-    return str(where), {}
+            slot = {}
+            for skey in state_keys.get(name, ()):
+                value = wanted[f"optimizer.state.{name}.{skey}"]
+                if value.dim() > 0 and value.numel() == flat.numel():
+                    slot[skey] = value.reshape(-1)[pc.start:pc.end].clone()
+                else:
+                    slot[skey] = value.clone()
+            staged.append((pc, flat[pc.start:pc.end].clone(), slot))
+    return pieces, staged

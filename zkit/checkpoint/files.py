@@ -38,7 +38,10 @@ def atomic_torch_save(obj: Any, path: Path) -> None:
 def _atomic(path: Path, write: Callable[[Any], Any], failures: tuple[type[BaseException], ...]) -> None:
     """``write(file)`` into a temporary beside ``path``, flushed to disk, then renamed over it; a
     failed write names the file (and a full disk), and leaves no temporary behind."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError as exc:  # a read-only or full file system, a missing directory
+        raise fs_error(path, "writing the checkpoint", exc) from exc
     try:
         try:
             with os.fdopen(fd, "wb") as f:  # a Python file: a failed write raises OSError with its errno
@@ -46,7 +49,7 @@ def _atomic(path: Path, write: Callable[[Any], Any], failures: tuple[type[BaseEx
                 f.flush()
                 os.fsync(f.fileno())
         except failures as exc:
-            raise _write_error(path, exc) from exc
+            raise fs_error(path, "writing the checkpoint", exc) from exc
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -54,19 +57,22 @@ def _atomic(path: Path, write: Callable[[Any], Any], failures: tuple[type[BaseEx
         raise
 
 
-def _write_error(path: Path, exc: BaseException) -> BaseException:
-    """A failed write that names the file and, when the disk is full, says so (torch's own
-    message for it is 'basic_ios::clear: iostream error')."""
+def fs_error(path: Path, doing: str, exc: BaseException) -> CheckpointError:
+    """A failed file-system step (``doing``: "writing the checkpoint") that names the path and,
+    when the disk is full, says so (torch's own message for a failed write is 'basic_ios::clear:
+    iostream error')."""
     cause: BaseException | None = exc
     while cause is not None and not isinstance(cause, OSError):
         cause = cause.__cause__ or cause.__context__
     full = isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT)
-    if not full:
+    if not full and doing.startswith("writing"):
         with contextlib.suppress(OSError):
             full = shutil.disk_usage(path.parent).free < (1 << 20)
     if full:
-        return CheckpointError(f"{path}: no space left on device while writing the checkpoint; free space and save again")
-    return CheckpointError(f"{path}: writing the checkpoint failed ({type(exc).__name__}: {exc})")
+        return CheckpointError(f"{path}: no space left on device while {doing}; free space and save again")
+    if isinstance(cause, OSError) and cause.strerror:
+        return CheckpointError(f"{path}: {doing} failed ({cause.strerror})")
+    return CheckpointError(f"{path}: {doing} failed ({type(exc).__name__}: {exc})")
 
 
 def write_meta(path: Path, meta: dict[str, Any]) -> None:

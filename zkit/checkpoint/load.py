@@ -4,21 +4,22 @@ at any data-parallel degree)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from zkit.checkpoint import rng
+from zkit.checkpoint.commit import loadable_directory
 from zkit.checkpoint.digest import VerifiedCopies
+from zkit.checkpoint.fill import StagedPieces, fill_pieces
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.checkpoint.files import file_digests, load_rank_file, rank_file, read_meta
+from zkit.checkpoint.files import META, file_digests, load_rank_file, rank_file, read_meta
 from zkit.checkpoint.tags import resolve_tag
-from zkit.checkpoint.optim_state import StatePlacer
 from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
+from zkit.core.verdicts import agree, agreed
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine
-    from zkit.core.partitioner import Piece
 
 
 def check_params(meta: dict[str, Any], engine: "Engine", where: Path) -> None:
@@ -60,110 +61,22 @@ def _check_state_format(meta: dict[str, Any], engine: "Engine", where: Path) -> 
     )
 
 
-Copy = Callable[[torch.Tensor, torch.Tensor], None]
+class _Staged:
+    """A checkpoint read and verified for this rank, nothing of the engine changed yet."""
+
+    def __init__(self, directory: Path, where: Path, meta: dict[str, Any], pieces: StagedPieces, first: dict,
+                 mine: dict | None) -> None:
+        self.directory = directory  # the tag's directory (or the one an interrupted overwrite set aside)
+        self.where = where  # where the files are: the directory, or this rank's part of it
+        self.meta = meta
+        self.pieces = pieces
+        self.first = first  # rank 0's file
+        self.mine = mine  # this rank's file when it saved at this world size
 
 
-def _copy(dst: torch.Tensor, src: torch.Tensor) -> None:
-    dst.copy_(src)
-
-
-class _Filler:
-    """Copies saved ranges into one owned piece and checks the piece ends up fully covered."""
-
-    def __init__(self, piece: "Piece", engine: "Engine", with_state: bool, copy: Copy,
-                 placer: StatePlacer | None) -> None:
-        self.piece = piece
-        self.covered = 0
-        self.with_state = with_state
-        self.state: dict[str, Any] = {}
-        self.optimizer = engine.optimizer
-        self.placer = placer
-        self.copy = copy
-
-    def fill(self, saved: dict[str, Any], where: Path) -> None:
-        p = self.piece
-        lo, hi = max(p.start, saved["start"]), min(p.end, saved["end"])
-        if lo >= hi:
-            return
-        src = slice(lo - saved["start"], hi - saved["start"])
-        dst = slice(lo - p.start, hi - p.start)
-        whole = lo == saved["start"] and hi == saved["end"]  # a saved tensor itself, not a slice of it
-        master = saved["master"]
-        if master.numel() != saved["end"] - saved["start"]:
-            raise CheckpointError(f"{where}: piece {p.name}[{saved['start']}:{saved['end']}] is truncated")
-        self.copy(p.master.view(-1)[dst], master if whole else master[src])
-        self.covered += hi - lo
-        if not self.with_state:
-            return
-        n = saved["end"] - saved["start"]
-        for key, value in saved["state"].items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.numel() == n:
-                if key not in self.state:
-                    self.state[key] = torch.zeros(p.end - p.start, dtype=value.dtype, device="cpu")
-                self.copy(self.state[key][dst], value if whole else value[src])
-            else:
-                self.state.setdefault(key, value.clone() if torch.is_tensor(value) else value)
-
-    def finish(self) -> None:
-        p = self.piece
-        if self.covered != p.end - p.start:
-            raise CheckpointError(
-                f"the checkpoint covers {self.covered} of the {p.end - p.start} elements "
-                f"[{p.start}, {p.end}) of parameter {p.name!r}"
-            )
-        if self.with_state and self.state:
-            self.optimizer.state[p.opt_param] = self.placer.place(p.opt_param, self.state)
-
-
-def fill_pieces(
-    engine: "Engine",
-    index: dict[str, list[Any]],
-    read: Callable[[str], list[dict[str, Any]]],
-    where: Path,
-    with_state: bool,
-    copy: Copy = _copy,
-) -> list["Piece"]:
-    """Fill every piece this rank owns (its fp32 master values and, ``with_state``, its
-    optimizer state) from saved pieces. ``index`` maps each file to the ``(name, start, end)``
-    ranges it holds; ``read(file)`` returns the file's saved pieces (dicts with ``name``,
-    ``start``, ``end``, ``master`` and ``state``). Only files holding ranges this rank owns are
-    read; a piece left partly uncovered is an error. ``copy(dst, src)`` makes every copy (given a
-    saved tensor itself when the whole of it is copied). Returns the filled pieces, for
-    ``partitioner.after_load``."""
-    pieces = engine.partitioner.pieces()
-    fillers: dict[str, list[_Filler]] = {}
-    placer = StatePlacer(engine.optimizer) if with_state else None
-    for piece in pieces:
-        fillers.setdefault(piece.name, []).append(_Filler(piece, engine, with_state, copy, placer))
-    for fname, entries in index.items():
-        if not any(
-            f.piece.start < end and start < f.piece.end
-            for name, start, end in entries
-            for f in fillers.get(name, ())
-        ):
-            continue
-        for saved in read(fname):
-            for f in fillers.get(saved["name"], ()):
-                f.fill(saved, where / fname)
-    for group in fillers.values():
-        for f in group:
-            f.finish()
-    return pieces
-
-
-def load_checkpoint(
-    engine: "Engine",
-    load_dir: str | Path,
-    tag: str | None = None,
-    *,
-    load_optimizer_states: bool,
-    load_lr_scheduler_states: bool,
-) -> tuple[str, dict]:
-    """The ``"zkit"`` checkpoint format's ``load``: ``load_dir/tag`` (``tag`` from ``latest`` when
-    None) into ``engine``; returns ``(load_dir/tag, client_state)``."""
-    root = Path(load_dir)
-    tag = resolve_tag(root, tag)
-    where = root / tag
+def _stage(engine: "Engine", root: Path, tag: str | None, load_optimizer_states: bool) -> _Staged:
+    """Read, check and verify everything this rank loads from ``root`` (``tag``, else ``latest``'s)."""
+    directory = where = loadable_directory(root, resolve_tag(root, tag))
     meta = read_meta(where)
     part = model_part(engine.module)
     refuse_mismatch(where, meta.get("parts"), part)
@@ -193,38 +106,86 @@ def load_checkpoint(
             kept[fname] = data
         return data
 
-    filled = fill_pieces(engine, meta["index"], lambda fname: read(fname)["pieces"], where, load_optimizer_states,
-                         verified.copy)
+    def pieces_of(fname: str) -> list[dict[str, Any]]:
+        pieces = read(fname)["pieces"]
+        held = sorted((p["name"], p["start"], p["end"]) for p in pieces)
+        if held != sorted((name, start, end) for name, start, end in meta["index"][fname]):
+            raise CheckpointError(
+                f"{where / fname}: holds other pieces than {META} lists for it (a rank file swapped with another or "
+                f"copied from another save?); restore the checkpoint's own files or load another checkpoint"
+            )
+        return pieces
 
+    staged = fill_pieces(engine, meta["index"], pieces_of, where, load_optimizer_states, verified.copy)
     first = read(rank_file(0))
     mine = first if engine.rank == 0 else None
     if meta["world_size"] == engine.world_size and engine.rank != 0:
         mine = read(rank_file(engine.rank))
     verified.finish()
-    load_module_extras(engine.module, first.get("module_extras", {}), where)
-    if load_optimizer_states:
-        saved_groups = first.get("param_groups", [])
-        if len(saved_groups) == len(engine.optimizer.param_groups):
-            for group, saved in zip(engine.optimizer.param_groups, saved_groups):
-                group.update(saved)
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in first:
-        engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
-    if mine is not None:
-        rng.restore(mine["rng"])  # same world size: training continues bit for bit
-    engine.load_train_state_dict(meta)  # the counters and the loss scaler
-    plugin_state = (mine or first).get("plugins", {})
-    engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)
-    engine.partitioner.after_load(filled)
-    getattr(engine, "world_comm", engine.comm).barrier()
-    return str(root / tag), first.get("client_state", {})
+    check_module_extras(engine.module, first.get("module_extras", {}), where)
+    return _Staged(directory, where, meta, staged, first, mine)
+
+
+def load_checkpoint(
+    engine: "Engine",
+    load_dir: str | Path,
+    tag: str | None = None,
+    *,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+) -> tuple[str, dict]:
+    """The ``"zkit"`` checkpoint format's ``load``: ``load_dir/tag`` (``tag`` from ``latest`` when
+    None) into ``engine``; returns ``(load_dir/tag, client_state)``. Every rank reads and verifies
+    what it loads, then the ranks agree: a checkpoint refused on any rank is refused on all, and
+    no rank's state has changed (:mod:`zkit.core.verdicts`). What can fail only after that (an LR
+    scheduler or a plugin refusing its saved state) is agreed on too, with the state partly loaded."""
+    root = Path(load_dir)
+    world = getattr(engine, "world_comm", engine.comm)
+    what = f"loading checkpoint {root if tag is None else root / tag}"
+    with agreed(world, what):
+        staged = _stage(engine, root, tag, load_optimizer_states)
+    first, mine = staged.first, staged.mine
+    failure: Exception | None = None
+    filled = staged.pieces.apply()
+    try:
+        load_module_extras(engine.module, first.get("module_extras", {}), staged.where)
+        if load_optimizer_states:
+            saved_groups = first.get("param_groups", [])
+            if len(saved_groups) == len(engine.optimizer.param_groups):
+                for group, saved in zip(engine.optimizer.param_groups, saved_groups):
+                    group.update(saved)
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in first:
+            engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
+        if mine is not None:
+            rng.restore(mine["rng"])  # same world size: training continues bit for bit
+        engine.load_train_state_dict(staged.meta)  # the counters and the loss scaler
+        plugin_state = (mine or first).get("plugins", {})
+        engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)
+    except Exception as exc:
+        failure = exc
+    engine.partitioner.after_load(filled)  # collectives: every rank, whatever happened above
+    agree(world, what, failure)
+    return str(staged.directory), first.get("client_state", {})
+
+
+def check_module_extras(module: torch.nn.Module, extras: dict[str, torch.Tensor], where: Path) -> None:
+    """Refuse saved buffers or frozen parameters ``module`` lacks (before anything is loaded)."""
+    targets = _extra_targets(module)
+    for name in extras:
+        if name not in targets:
+            raise CheckpointError(f"{where}: buffer {name!r} is in the checkpoint but not in the model")
+
+
+def _extra_targets(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    targets = dict(module.named_buffers())
+    targets.update({n: p for n, p in module.named_parameters() if not p.requires_grad})
+    return targets
 
 
 def load_module_extras(module: torch.nn.Module, extras: dict[str, torch.Tensor], where: Path) -> None:
     """Copy saved buffers and frozen parameters into ``module``; a name it lacks is refused."""
-    targets = dict(module.named_buffers())
-    targets.update({n: p for n, p in module.named_parameters() if not p.requires_grad})
+    check_module_extras(module, extras, where)
+    targets = _extra_targets(module)
     for name, value in extras.items():
-        if name not in targets:
-            raise CheckpointError(f"{where}: buffer {name!r} is in the checkpoint but not in the model")
         with torch.no_grad():
             targets[name].copy_(value)

@@ -3,7 +3,6 @@ every part's ranks their part, see :mod:`zkit.checkpoint.parts`)."""
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +13,10 @@ from zkit.checkpoint.accumulation import refuse_partial_accumulation
 from zkit.checkpoint.config import checkpoint_config
 from zkit.checkpoint.digest import payload_digests
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.checkpoint.files import FORMAT, META, VERSION, atomic_torch_save, atomic_write_bytes, rank_file, write_meta
-from zkit.checkpoint.tags import LATEST
+from zkit.checkpoint.commit import commit, prepare, staging_directory
+from zkit.checkpoint.files import FORMAT, META, VERSION, atomic_torch_save, rank_file, write_meta
 from zkit.checkpoint.parts import model_part
+from zkit.core.verdicts import agree, agreed
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine
@@ -95,30 +95,69 @@ def _validate_tag(tag: str, world: Any, mode: str) -> str:
 
 def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_state: dict, save_latest: bool,
                     exclude_frozen_parameters: bool = False) -> str:
-    refuse_partial_accumulation(engine)  # before anything is written
+    """Every rank writes its file, the first rank the metadata and the commit
+    (:mod:`zkit.checkpoint.commit`). Each step that can fail on some ranks only (a refusal, a
+    file-system error on the first rank, a failed write) is agreed on: every rank raises
+    (:mod:`zkit.core.verdicts`), none waits for the others in a collective."""
     comm, rank = engine.comm, engine.rank
     world = getattr(engine, "world_comm", comm)
-    part = model_part(engine.module)
     tag = tag or f"global_step{engine.global_steps}"
-    if "/" in tag or tag.startswith("."):
-        raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
+    with agreed(world, f"saving checkpoint {tag!r}"):  # refusals, before anything is written
+        refuse_partial_accumulation(engine)
+        part = model_part(engine.module)
+        if "/" in tag or tag.startswith("."):
+            raise CheckpointError(f"checkpoint tag {tag!r} must be a plain name (no '/', not starting with '.')")
+        if world.rank == 0:
+            _check_client_state(client_state)
     tag = _validate_tag(tag, world, checkpoint_config(engine.config).tag_validation)
+    what = f"saving checkpoint {tag!r}"
     root = Path(save_dir)
-    final, staging = root / tag, root / f".{tag}.partial"
-    if world.rank == 0:
-        _check_client_state(client_state)
-        root.mkdir(parents=True, exist_ok=True)
-        # Staging left by a save that died (any tag): never a checkpoint, only disk space lost.
-        for stale in root.glob(".*.partial"):
-            shutil.rmtree(stale, ignore_errors=True)
-        staging.mkdir()
-    world.barrier()
+    staging = staging_directory(root, tag)
+    parts = sorted(set(world.all_gather_object(part[0]))) if part is not None else None
+    with agreed(world, what):
+        if world.rank == 0:
+            prepare(root, tag)
     # a split model: each part's data-parallel group writes its own directory
     target = staging / part[0] if part is not None else staging
-    if part is not None and rank == 0:
-        target.mkdir()
-    comm.barrier()
+    if part is not None:
+        with agreed(world, what):
+            if rank == 0:
+                target.mkdir()
 
+    failure: Exception | None = None
+    entries: list[list[Any]] = []
+    digests: dict[str, str] = {}
+    try:
+        payload, entries = _payload(engine, client_state, exclude_frozen_parameters)
+        digests = payload_digests(payload)
+        atomic_torch_save(payload, target / rank_file(rank))
+    except Exception as exc:
+        failure = exc  # every rank learns it below, rather than wait for this file
+    gathered = comm.all_gather_object((entries, digests, failure is None))
+    if rank == 0 and all(ok for _, _, ok in gathered):
+        try:
+            meta = _meta(engine, tag, [e for e, _, _ in gathered], exclude_frozen_parameters)
+            meta["checksums"] = {rank_file(r): d for r, (_, d, _) in enumerate(gathered)}
+            if part is not None:
+                meta["part"], meta["layout"] = part
+            write_meta(target / META, meta)
+        except Exception as exc:
+            failure = exc
+    agree(world, what, failure)  # every part is on disk, or every rank raises
+    with agreed(world, what):
+        if world.rank == 0:
+            if part is not None:
+                write_meta(staging / META, {
+                    "format": FORMAT, "version": VERSION, "tag": tag, "layout": part[1], "parts": parts,
+                    "global_steps": engine.global_steps,
+                })
+            commit(root, tag, save_latest)
+    return str(root / tag)
+
+
+def _payload(engine: "Engine", client_state: dict, exclude_frozen_parameters: bool) -> tuple[dict[str, Any], list[Any]]:
+    """This rank's file: its pieces (and on rank 0 what the whole model shares); and the
+    ``(name, start, end)`` of each piece, for the metadata's index."""
     part_obj = engine.partitioner
     pieces = part_obj.pieces() if part_obj.writes_checkpoint() else []
     payload: dict[str, Any] = {
@@ -135,7 +174,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
         "rng": rng.capture(),
         "plugins": engine.pm.call_each_named("zkit_checkpoint_save", engine=engine),
     }
-    if rank == 0:
+    if engine.rank == 0:
         payload["client_state"] = client_state
         payload["module_extras"] = module_extras(engine.module, exclude_frozen_parameters)
         payload["param_groups"] = [
@@ -143,41 +182,7 @@ def save_checkpoint(engine: "Engine", save_dir: str, *, tag: str | None, client_
         ]
         if engine.lr_scheduler is not None:
             payload["lr_scheduler"] = engine.lr_scheduler.state_dict()
-    digests = payload_digests(payload)
-    failure = None
-    try:
-        atomic_torch_save(payload, target / rank_file(rank))
-    except CheckpointError as exc:
-        failure = f"rank {world.rank}: {exc}"  # every rank learns it below, rather than wait for this file
-    gathered = comm.all_gather_object(([[p.name, p.start, p.end] for p in pieces], digests, failure))
-    failures = [f for _, _, f in gathered if f]
-    if rank == 0 and not failures:
-        meta = _meta(engine, tag, [entries for entries, _, _ in gathered], exclude_frozen_parameters)
-        meta["checksums"] = {rank_file(r): d for r, (_, d, _) in enumerate(gathered)}
-        if part is not None:
-            meta["part"], meta["layout"] = part
-        write_meta(target / META, meta)
-    if part is not None:
-        parts = world.all_gather_object((part[0], failures))  # also the barrier: every part is on disk
-        failures = sorted({f for _, fs in parts for f in fs})
-    if failures:
-        raise CheckpointError(f"saving checkpoint {tag!r} failed; {'; '.join(failures)}")
-    if part is not None and world.rank == 0:
-        write_meta(staging / META, {
-            "format": FORMAT, "version": VERSION, "tag": tag, "layout": part[1],
-            "parts": sorted({name for name, _ in parts}), "global_steps": engine.global_steps,
-        })
-    if world.rank == 0:
-        old = root / f".{tag}.old"
-        if final.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            final.rename(old)
-        staging.rename(final)
-        shutil.rmtree(old, ignore_errors=True)
-        if save_latest:
-            atomic_write_bytes(root / LATEST, tag.encode())
-    world.barrier()
-    return str(final)
+    return payload, [[p.name, p.start, p.end] for p in pieces]
 
 
 def _meta(engine: "Engine", tag: str, index: list[Any], exclude_frozen_parameters: bool = False) -> dict[str, Any]:

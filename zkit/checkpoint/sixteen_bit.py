@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkit.checkpoint.files import atomic_torch_save
+from zkit.checkpoint.files import atomic_torch_save, fs_error
+from zkit.core.verdicts import agreed
 from zkit.zero.config import zero_config
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,10 +38,13 @@ def save_16bit_model(engine: "Engine", path: Path, exclude_frozen_parameters: bo
         return False
     state = _state_on_rank0(engine, zero3, exclude_frozen_parameters)
     world = getattr(engine, "world_comm", engine.comm)
-    if state is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(state, path)
-    world.barrier()
+    with agreed(world, f"saving the model to {path}"):  # a failed write fails every rank's call
+        if state is not None:
+            try:
+                path.parent.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise fs_error(path.parent, "creating the directory", exc) from exc
+            atomic_torch_save(state, path)
     return True
 
 

@@ -211,6 +211,12 @@ class CheckpointFormatRecord:
       -> (loaded path, client_state)``: fill the engine's pieces at any world size and stage.
     * ``save(engine, save_dir, *, tag, client_state, save_latest, exclude_frozen_parameters)
       -> tag``: write the engine's state (``engine.save_checkpoint`` uses the ``"zkit"`` format).
+
+    ``load`` and ``save`` run on every rank and must reach the same verdict on every rank: a
+    failure on one rank (a damaged file only it reads, a file-system error on the rank that writes)
+    raised on all, before any rank waits in a collective for it, and a refused load leaving every
+    rank's state unchanged (:mod:`zkit.core.verdicts`; zkit's formats stage what they read with
+    :func:`zkit.checkpoint.fill.fill_pieces`).
     * ``pieces(where) -> zkit.checkpoint.piece_source.PieceSource``: one tag's directory as zkit's
       pieces and index, which ``zkit consolidate`` and the exports read, streaming.
     * ``export(checkpoint_dir, out, *, tag, dtype, **options) -> summary``: write any readable

@@ -17,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.checkpoint.load import check_params, fill_pieces, load_module_extras
+from zkit.checkpoint.fill import fill_pieces
+from zkit.checkpoint.load import check_module_extras, check_params, load_module_extras
 from zkit.checkpoint.parts import LayerNamed, model_part
+from zkit.core.verdicts import agree, agreed
 from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 from zkit_deepspeed.checkpoint.open import open_checkpoint
 from zkit_deepspeed.checkpoint.pipeline import DeepSpeedPipelineCheckpoint, StageView
@@ -36,40 +38,57 @@ def load_deepspeed_checkpoint(
     engine: "Engine", where: Path, *, load_optimizer_states: bool, load_lr_scheduler_states: bool
 ) -> tuple[str, dict]:
     """Load the DeepSpeed checkpoint in ``where`` (one tag's directory) into ``engine``; return
-    ``(where, client_state)`` as ``engine.load_checkpoint`` does."""
-    ckpt = open_checkpoint(where)
-    view = _as_held_here(engine, ckpt, where)
-    check_params({"params": {n: list(s) for n, s in view.params.items()}}, engine, where)
+    ``(where, client_state)`` as ``engine.load_checkpoint`` does. Every rank reads and checks what
+    it loads, then the ranks agree: a checkpoint refused on one rank is refused on all, and no
+    rank's state has changed (:mod:`zkit.core.verdicts`)."""
+    world = engine.world_comm
+    what = f"loading DeepSpeed checkpoint {where}"
+    with agreed(world, what):
+        ckpt = open_checkpoint(where)
+        view = _as_held_here(engine, ckpt, where)
+        check_params({"params": {n: list(s) for n, s in view.params.items()}}, engine, where)
     if isinstance(view, StageView):
-        _check_all_read(engine, ckpt, view.read, where)
-    filled = fill_pieces(engine, view.index,
-                         lambda fname: finite_masters(view.pieces(fname, with_state=load_optimizer_states), where / fname),
-                         where, load_optimizer_states)
-    extras = {n: t for n, t in view.module_extras().items() if n in _extra_names(engine)}
-    load_module_extras(engine.module, extras, where)
-    if load_optimizer_states:
-        _load_hyperparameters(engine, view.param_groups())
-    lr_state = ckpt.model_state.get("lr_scheduler")
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and lr_state is not None:
-        engine.lr_scheduler.load_state_dict(lr_state)
-    steps = int(ckpt.model_state.get("global_steps", 0))
-    engine.load_train_state_dict({
-        "global_steps": steps,
-        "global_samples": int(ckpt.model_state.get("global_samples", 0)),
-        "skipped_steps": int(ckpt.model_state.get("skipped_steps", 0)),
-        "micro_steps": steps * engine.gradient_accumulation_steps(),
-        # a static scale stays the config's; a dynamic one continues from DeepSpeed's
-        "loss_scaler": view.loss_scaler() if engine.loss_scaler.dynamic else engine.loss_scaler.state_dict(),
-    })
-    engine.partitioner.after_load(filled)
-    engine.world_comm.barrier()
+        _check_all_read(engine, ckpt, view.read, where)  # the same verdict on every rank: it gathers
+    with agreed(world, what):
+        staged = fill_pieces(
+            engine, view.index,
+            lambda fname: finite_masters(view.pieces(fname, with_state=load_optimizer_states), where / fname),
+            where, load_optimizer_states)
+        extras = {n: t for n, t in view.module_extras().items() if n in _extra_names(engine)}
+        check_module_extras(engine.module, extras, where)
+        groups = view.param_groups() if load_optimizer_states else []
+        loss_scaler = view.loss_scaler() if engine.loss_scaler.dynamic else engine.loss_scaler.state_dict()
+        client_state = view.client_state(with_optimizer=load_optimizer_states,
+                                         with_lr_scheduler=load_lr_scheduler_states)
+    filled = staged.apply()
+    failure: Exception | None = None
+    try:
+        load_module_extras(engine.module, extras, where)
+        if load_optimizer_states:
+            _load_hyperparameters(engine, groups)
+        lr_state = ckpt.model_state.get("lr_scheduler")
+        if load_lr_scheduler_states and engine.lr_scheduler is not None and lr_state is not None:
+            engine.lr_scheduler.load_state_dict(lr_state)
+        steps = int(ckpt.model_state.get("global_steps", 0))
+        engine.load_train_state_dict({
+            "global_steps": steps,
+            "global_samples": int(ckpt.model_state.get("global_samples", 0)),
+            "skipped_steps": int(ckpt.model_state.get("skipped_steps", 0)),
+            "micro_steps": steps * engine.gradient_accumulation_steps(),
+            # a static scale stays the config's; a dynamic one continues from DeepSpeed's
+            "loss_scaler": loss_scaler,
+        })
+    except Exception as exc:
+        failure = exc
+    engine.partitioner.after_load(filled)  # collectives: every rank, whatever happened above
+    agree(world, what, failure)
     if engine.rank == 0:
         log.info(
             "loaded DeepSpeed checkpoint %s (ZeRO stage %d, %d ranks, DeepSpeed %s) at stage %d on %d ranks",
             where, ckpt.stage, ckpt.world_size, ckpt.model_state.get("ds_version", "?"),
             engine.partitioner.stage, engine.world_size,
         )
-    return str(where), view.client_state(with_optimizer=load_optimizer_states, with_lr_scheduler=load_lr_scheduler_states)
+    return str(where), client_state
 
 
 def finite_masters(pieces: list[dict[str, Any]], path: Path) -> list[dict[str, Any]]:
