@@ -89,6 +89,9 @@ def initialize(
     result = zkit_initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
                              training_data=training_data, lr_scheduler=lr_scheduler, config=config,
                              collate_fn=collate_fn, mpu=mpu, engine_class=DeepSpeedEngine)
+    from deepspeed.utils import groups
+
+    groups._set_sequence_parallel_group(result[0].sequence_parallel_group)
     if result[0].zero_optimization_stage() == 3:
         # DeepSpeed's ZeRO-3 keeps each module's ``_external_params``; code written for it reads them
         from deepspeed.runtime.zero.external_params import track_returned_params

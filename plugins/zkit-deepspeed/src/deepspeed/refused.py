@@ -35,8 +35,12 @@ _DS_INFERENCE = Refusal("DeepSpeed-Inference: kernel injection and tensor-parall
                         "evaluate with an engine built without an optimizer, or the plain model")
 _MOE = Refusal("mixture-of-experts layers and expert parallelism",
                "train the model without MoE layers, or with DeepSpeed")
-_SEQUENCE_PARALLEL = Refusal("Ulysses sequence parallelism",
-                             "shard the batch (data parallelism) or use zkit-pipeline's tensor parallelism")
+_SEQUENCE_PARALLEL = Refusal("DeepSpeed's Hugging Face integration of Ulysses sequence parallelism (ALST)",
+                             "build the model's attention with zkit-sequence's 'ulysses' record and set "
+                             "sequence_parallel_size, or use deepspeed.sequence.layer.DistributedAttention")
+_SEQUENCE_EXTRAS = Refusal("DeepSpeed's FPDT, AutoSP and vocabulary-parallel cross-entropy around Ulysses",
+                           "use deepspeed.sequence.layer.DistributedAttention, or zkit-sequence's attention and "
+                           "sequence_cross_entropy")
 _COMPRESSION = Refusal("DeepSpeed Compression (quantization-aware training, pruning; removed from DeepSpeed "
                        "0.19.8)", "use torch.ao.quantization or a library such as torchao")
 #: the compression library's modules (its helper module stays, for recursive_getattr / recursive_setattr)
@@ -90,7 +94,8 @@ REFUSED_MODULES: dict[str, Refusal] = {
     "deepspeed.inference": _DS_INFERENCE,
     "deepspeed.module_inject": _DS_INFERENCE,
     "deepspeed.moe.sharded_moe": _MOE,
-    "deepspeed.sequence": _SEQUENCE_PARALLEL,
+    **{f"deepspeed.sequence.{m}": _SEQUENCE_EXTRAS for m in ("fpdt_layer", "cross_entropy", "auto_sp",
+                                                             "autosp_detector", "autosp_fusion", "autosp_vit")},
     "deepspeed.runtime.sequence_parallel": _SEQUENCE_PARALLEL,
     **{f"deepspeed.compression.{m}": _COMPRESSION for m in _COMPRESSION_MODULES},
     "deepspeed.ops.transformer": _COMPILED_OPS,

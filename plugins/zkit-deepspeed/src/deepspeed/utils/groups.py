@@ -1,8 +1,10 @@
 """``deepspeed.utils.groups``: DeepSpeed's process-group queries, answered for zkit's engine, which
 trains data-parallel over the whole world (``mpu=`` is refused; tensor and pipeline parallelism
 are zkit-pipeline's ``ProcessGrid``, not these groups). So: the data-parallel group is the world,
-model/tensor/sequence parallel sizes are 1 (ranks 0), and there is no sequence-parallel group to
-return (DeepSpeed's ``KeyError``, naming the feature). Expert (MoE) groups are refused;
+model/tensor parallel sizes are 1 (ranks 0). The sequence-parallel group is the one of the last
+engine ``deepspeed.initialize`` built with ``sequence_parallel_size`` above 1 (zkit-sequence's
+layout, DeepSpeed's: consecutive ranks), whose ZeRO shards over the whole world (DeepSpeed's
+sequence-data-parallel group); without one the size is 1 and the group DeepSpeed's ``KeyError``. Expert (MoE) groups are refused;
 ``_get_expert_parallel_ranks`` is pure arithmetic and computes DeepSpeed's layout.
 """
 from __future__ import annotations
@@ -84,17 +86,30 @@ def get_tensor_model_parallel_src_rank() -> int:
     return dist.get_rank()
 
 
+#: the sequence-parallel group of the last engine built with ``sequence_parallel_size`` above 1
+#: (``deepspeed.initialize`` records it; DeepSpeed keeps its groups module-wide too), else None
+_sequence_parallel_group: Any = None
+
+
+def _set_sequence_parallel_group(group: Any) -> None:
+    """Record the sequence-parallel group of the engine ``deepspeed.initialize`` built (None: none)."""
+    global _sequence_parallel_group
+    _sequence_parallel_group = group
+
+
 def _get_sequence_parallel_world_size() -> int:
-    return 1
+    return 1 if _sequence_parallel_group is None else dist.get_world_size(_sequence_parallel_group)
 
 
 def _get_sequence_parallel_rank() -> int:
-    return 0
+    return 0 if _sequence_parallel_group is None else dist.get_rank(_sequence_parallel_group)
 
 
 def _get_sequence_parallel_group() -> Any:
-    raise KeyError("No sequence parallel group found: zkit has no sequence parallelism (Ulysses); the "
-                   "sequence-parallel size is 1")
+    if _sequence_parallel_group is None:
+        raise KeyError("No sequence parallel group found: no engine was built with sequence_parallel_size above 1 "
+                       "(zkit-sequence); the sequence-parallel size is 1")
+    return _sequence_parallel_group
 
 
 # -- experts: refused, but for the pure layout computation --------------------------------------------

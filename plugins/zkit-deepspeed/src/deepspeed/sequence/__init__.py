@@ -1,0 +1,1 @@
+"""``deepspeed.sequence``: DeepSpeed-Ulysses' ``layer.DistributedAttention``, on zkit-sequence."""
