@@ -426,3 +426,19 @@ def used_after_close(stage: int, save_dir: str) -> list[str]:
         except Exception as e:  # noqa: BLE001 - the message is what is checked
             said.append(str(e))
     return said
+
+
+def left_out_or_twice(stages: list[int]) -> list[str]:
+    """At each ZeRO stage: what initialize says of model_parameters leaving out the model's
+    ``norm`` and of one listing ``mix.weight`` in two groups."""
+    said = []
+    for stage in stages:
+        for groups in (lambda m: [p for n, p in m.named_parameters() if not n.startswith("norm.")],
+                       lambda m: [{"params": list(m.parameters())}, {"params": [m.mix.weight], "lr": 0.1}]):
+            model = make_model()
+            try:
+                zkit.initialize(model=model, model_parameters=groups(model), config=config(stage, "fp32", 1, 2))
+                said.append("accepted")
+            except ValueError as e:
+                said.append(str(e))
+    return said

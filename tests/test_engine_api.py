@@ -273,3 +273,51 @@ def test_a_data_iterator_that_runs_out_says_so():
 
     with pytest.raises(ValueError, match=r"^RepeatingLoader: the loader \(list\) gives no batch, an empty dataset"):
         next(RepeatingLoader([]))
+
+
+# -- model_parameters ---------------------------------------------------------------------------------
+def _sgd():
+    return {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+
+
+def test_model_parameters_that_leave_out_a_trainable_parameter_are_refused_naming_it():
+    """The parameters left out joined the first group and trained (1.7e-1 from torch's result,
+    which keeps them unchanged); freezing them is the way to keep them."""
+    model = LossModel()
+    with pytest.raises(ValueError, match=r"^model_parameters leaves out 2 trainable parameter\(s\) of the model: "
+                                         r"'net.2.weight', 'net.2.bias'. torch and DeepSpeed would not step them "
+                                         r"though they take gradients; list them too, or freeze them "
+                                         r"\(requires_grad_\(False\)\) before zkit.initialize$"):
+        zkit.initialize(model=model, model_parameters=list(model.net[0].parameters()), config=_sgd())
+    optimizer = torch.optim.SGD(model.net[0].parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"^the param_groups of optimizer=SGD leaves out 2 trainable parameter"):
+        zkit.initialize(model=model, optimizer=optimizer, config={"train_micro_batch_size_per_gpu": 4})
+    model.net[2].requires_grad_(False)  # frozen: not listed, and kept as it is
+    engine, *_ = zkit.initialize(model=model, model_parameters=list(model.net[0].parameters()), config=_sgd())
+    head = model.net[2].weight.detach().clone()
+    x, y = Regression(4)[:]
+    engine.backward(engine(x, y))
+    engine.step()
+    assert torch.equal(model.net[2].weight, head)
+
+
+def test_a_parameter_in_two_groups_is_refused_naming_it():
+    """It was accepted and trained at the second group's learning rate; torch.optim refuses it."""
+    model = LossModel()
+    twice = [{"params": list(model.parameters())}, {"params": [model.net[0].bias], "lr": 1.0}]
+    with pytest.raises(ValueError, match=r"^model_parameters lists the parameter 'net.0.bias' in groups 0 and 1: list "
+                                         r"each parameter once \(torch.optim refuses 'some parameters appear in more "
+                                         r"than one parameter group'\)$"):
+        zkit.initialize(model=model, model_parameters=twice, config=_sgd())
+    with pytest.raises(ValueError, match="^model_parameters lists the parameter 'net.0.bias' twice in group 0"):
+        zkit.initialize(model=model, model_parameters=list(model.parameters()) + [model.net[0].bias], config=_sgd())
+
+
+def test_model_parameters_are_refused_alike_on_every_rank_at_every_stage():
+    for said in run_ranks(er.left_out_or_twice, 2, args=([0, 1, 2, 3],), timeout=180):
+        assert said[0::2] == ["model_parameters leaves out 2 trainable parameter(s) of the model: 'norm.weight', "
+                              "'norm.bias'. torch and DeepSpeed would not step them though they take gradients; list "
+                              "them too, or freeze them (requires_grad_(False)) before zkit.initialize"] * 4
+        assert said[1::2] == ["model_parameters lists the parameter 'mix.weight' in groups 0 and 1: list each "
+                              "parameter once (torch.optim refuses 'some parameters appear in more than one parameter "
+                              "group')"] * 4

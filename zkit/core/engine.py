@@ -717,11 +717,15 @@ def _param_groups(
     module: torch.nn.Module, model_parameters: Iterable[Any] | None, client_optimizer: Any = None
 ) -> list[dict[str, Any]]:
     """torch-style param groups over the module's trainable parameters, the user's grouping and
-    per-group options kept. Trainable parameters the user did not list join the first group.
-    A client optimizer instance brings its own groups, which win over ``model_parameters`` (as in
-    DeepSpeed, which steps that optimizer as it was built)."""
+    per-group options kept. A client optimizer instance brings its own groups, which win over
+    ``model_parameters`` (as in DeepSpeed, which steps that optimizer as it was built). Groups that
+    list a parameter twice are refused, as ``torch.optim`` refuses them; so are groups that leave
+    out a trainable parameter, which torch and DeepSpeed would keep unchanged while it still
+    takes gradients (freeze it instead, and the checkpoints keep it as a frozen parameter)."""
+    given = "model_parameters"
     if isinstance(client_optimizer, torch.optim.Optimizer):
         model_parameters = [dict(g) for g in client_optimizer.param_groups]
+        given = f"the param_groups of optimizer={type(client_optimizer).__name__}"
     if model_parameters is None:
         return [{"params": [p for p in module.parameters() if p.requires_grad]}]
     items = list(model_parameters)
@@ -729,9 +733,26 @@ def _param_groups(
         groups = [dict(g, params=list(g["params"])) for g in items]
     else:
         groups = [{"params": items}]
-    owned = {id(p) for p in module.parameters()}
-    for g in groups:
+    names: dict[int, str] = {}
+    for name, p in module.named_parameters():  # a tied parameter under its first name
+        names.setdefault(id(p), name)
+    group_of: dict[int, int] = {}
+    for index, g in enumerate(groups):
         for p in g["params"]:
-            if id(p) not in owned:
-                raise ValueError("model_parameters contains a tensor that is not a parameter of the model")
+            if id(p) not in names:
+                raise ValueError(f"{given} contains a tensor that is not a parameter of the model")
+            if id(p) in group_of:
+                where = (f"twice in group {index}" if group_of[id(p)] == index
+                         else f"in groups {group_of[id(p)]} and {index}")
+                raise ValueError(f"{given} lists the parameter {names[id(p)]!r} {where}: list each parameter once "
+                                 f"(torch.optim refuses 'some parameters appear in more than one parameter group')")
+            group_of[id(p)] = index
+    left_out = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in group_of]
+    if left_out:
+        shown = ", ".join(repr(n) for n in left_out[:8]) + (f" and {len(left_out) - 8} more" if len(left_out) > 8 else "")
+        raise ValueError(
+            f"{given} leaves out {len(left_out)} trainable parameter(s) of the model: {shown}. torch and DeepSpeed "
+            f"would not step them though they take gradients; list them too, or freeze them "
+            f"(requires_grad_(False)) before zkit.initialize"
+        )
     return groups
