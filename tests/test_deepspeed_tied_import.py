@@ -13,22 +13,33 @@ import pytest
 import torch
 
 import zkit
+from zkit.core.checkpoint_errors import CheckpointError
 from zkit.testing import run_ranks
 
 from deepspeed_peer_model import ds_config
-from deepspeed_peer_tied import TiedLM, tied_batch
+from deepspeed_peer_tied import TiedGPT, TiedLM, gpt_batches, gpt_config, tied_batch
 from test_deepspeed_checkpoint_import import BEFORE, peer_commands, peer_job
 
 AFTER = 4
 RTOL = 1e-6
+#: DeepSpeed's FusedAdam and its clipping factor against torch's AdamW and zkit's: 1e-6 relative at
+#: the third step after the load (a wrong clipping is 1e-2 at the first)
+GPT_RTOL = 1e-5
 
 
 #: started with the session, beside the other tests (tests/background.py)
-BACKGROUND = {"tied_run": peer_commands("deepspeed_peer_tied.py", "--runs", "2:fp32,3:fp32", "--after", str(AFTER))}
+BACKGROUND = {"tied_run": peer_commands("deepspeed_peer_tied.py", "--runs", "2:fp32,3:fp32", "--after", str(AFTER)),
+              "tied_gpt_run": peer_commands("deepspeed_peer_tied.py", "--runs", "2:gpt,3:gpt")}
 
 
 @pytest.fixture(scope="module")
 def tied_run(background, request) -> tuple[Path, dict]:
+    root = peer_job(background, request)
+    return root, json.loads((root / "tied-results.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def tied_gpt_run(background, request) -> tuple[Path, dict]:
     root = peer_job(background, request)
     return root, json.loads((root / "tied-results.json").read_text())
 
@@ -45,17 +56,25 @@ def continue_tied(runs: list[tuple[str, int]]) -> list[list[float]]:
                 p.fill_(0.5)
         engine, *_ = zkit.initialize(model=model, config=ds_config(stage, world))
         engine.load_checkpoint(path)
-        losses = []
-        for k in range(BEFORE, BEFORE + AFTER):
-            loss = engine(*tied_batch(k, rank, world))
+        out.append(train_on(engine, lambda k: [tied_batch(k, rank, world)], range(BEFORE, BEFORE + AFTER)))
+        engine.close()
+    return out
+
+
+def train_on(engine, micro_batches, steps) -> list[float]:
+    """Each step's loss (the mean over its ``micro_batches(step)`` and the ranks)."""
+    losses = []
+    for k in steps:
+        mean = torch.zeros(())
+        batches = micro_batches(k)
+        for x, y in batches:
+            loss = engine(x, y)
             engine.backward(loss)
             engine.step()
-            mean = loss.detach().float().clone()
-            torch.distributed.all_reduce(mean)
-            losses.append(mean.item() / world)
-        engine.close()
-        out.append(losses)
-    return out
+            mean += loss.detach().float() / len(batches)
+        torch.distributed.all_reduce(mean)
+        losses.append(mean.item() / torch.distributed.get_world_size())
+    return losses
 
 
 @pytest.mark.parametrize("world", [2, 1])
@@ -101,3 +120,56 @@ def load_error(path: str) -> str | None:
     finally:
         engine.close()
     return None
+
+
+def continue_gpt(runs: list[tuple[str, int]], clipping: float | None) -> list[list[float] | str]:
+    """Rank function: load each ``(deepspeed_dir, zkit_stage)`` into a fresh :class:`TiedGPT`
+    engine with DeepSpeed's config (plus ``gradient_clipping`` unless ``None``) and train on; the
+    losses, or the load's error."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    out: list[list[float] | str] = []
+    for path, stage in runs:
+        config = gpt_config(stage, world) | ({} if clipping is None else {"gradient_clipping": clipping})
+        engine, *_ = zkit.initialize(model=TiedGPT(), config=config)
+        try:
+            engine.load_checkpoint(path)
+        except CheckpointError as exc:
+            out.append(f"{exc}")
+            engine.close()
+            continue
+        out.append(train_on(engine, lambda k: gpt_batches(k, rank, world), range(BEFORE, BEFORE + 3)))
+        engine.close()
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 1])
+def test_a_tied_gpt_continues_as_deepspeeds_resume_with_deepspeeds_clipping(tied_gpt_run, world):
+    root, reference = tied_gpt_run
+    runs = [(str(root / f"tied-gpt-{s}"), s if world == 2 else 5 - s) for s in (2, 3)]
+    results = run_ranks(continue_gpt, world, args=(runs, 1.0), timeout=600)[0]
+    for (path, stage), got in zip(runs, results):
+        want = reference[Path(path).name]["after"][:3]
+        assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) <= GPT_RTOL, (
+            f"DeepSpeed {Path(path).name} -> zkit stage {stage} on {world} rank(s):\n{got}\n{want}")
+
+
+def test_a_tied_gpt_whose_config_leaves_clipping_to_deepspeeds_default_is_refused_on_every_rank(tied_gpt_run):
+    root, _ = tied_gpt_run
+    where = root / "tied-gpt-2" / "global_step3"
+    errors = run_ranks(continue_gpt, 2, args=([(str(root / "tied-gpt-2"), 2)], None), timeout=600)
+    assert [e[0] for e in errors] == [errors[0][0]] * 2  # the same verdict on both ranks
+    assert errors[0][0] == (
+        f"{where}: the DeepSpeed run clipped the gradient norm at 1.0 (DeepSpeed 0.19.8's default: its config does "
+        "not set gradient_clipping); this engine does not clip (zkit's default gradient_clipping is 0), so the run "
+        "would not continue as DeepSpeed's own resume does. Set \"gradient_clipping\": 1.0 in the config to continue "
+        "as DeepSpeed would, or set \"gradient_clipping\" to the value you choose")
+
+
+def test_a_config_that_sets_gradient_clipping_continues_a_deepspeed_run_with_its_own(tied_gpt_run):
+    """A chosen value is honoured, as DeepSpeed's own resume reads it from the config: 0 continues
+    unclipped (and so differs from DeepSpeed's continuation after the first loss)."""
+    root, reference = tied_gpt_run
+    (got,) = run_ranks(continue_gpt, 1, args=([(str(root / "tied-gpt-2"), 2)], 0.0), timeout=600)[0]
+    want = reference["tied-gpt-2"]["after"][:3]
+    assert abs(got[0] - want[0]) <= GPT_RTOL * want[0]  # the weights loaded
+    assert abs(got[1] - want[1]) > 1e-3 * want[1]  # unclipped: DeepSpeed's clipped step is not taken

@@ -5,7 +5,9 @@ Each rank fills the parameter ranges it owns from the DeepSpeed ranks' files tha
 same resharding as for zkit's own checkpoints); buffers and frozen parameters come from the model
 file. Carried over: fp32 master weights, Adam/AdamW ``exp_avg``, ``exp_avg_sq`` and ``step``, the
 optimizer's hyperparameters (``lr``, ``betas``, ``eps``, ``weight_decay``), the LR scheduler, the
-loss scale, the step and sample counters and the client state. Not carried over: random number
+loss scale, the step and sample counters and the client state. The gradient clipping is the
+config's, as in DeepSpeed's own resume; a config that leaves it to the default while the DeepSpeed
+run clipped otherwise is refused (:mod:`.clipping`). Not carried over: random number
 generator states (DeepSpeed does not save them), data sampler and curriculum state.
 """
 from __future__ import annotations
@@ -22,6 +24,7 @@ from zkit.checkpoint.load import check_module_extras, check_params, load_module_
 from zkit.checkpoint.parts import LayerNamed, model_part
 from zkit.core.verdicts import agree, agreed
 from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
+from zkit_deepspeed.checkpoint.clipping import check_clipping
 from zkit_deepspeed.checkpoint.open import open_checkpoint
 from zkit_deepspeed.checkpoint.pipeline import DeepSpeedPipelineCheckpoint, StageView
 
@@ -45,6 +48,7 @@ def load_deepspeed_checkpoint(
     what = f"loading DeepSpeed checkpoint {where}"
     with agreed(world, what):
         ckpt = open_checkpoint(where)
+        check_clipping(engine, ckpt.model_state, where)
         view = _as_held_here(engine, ckpt, where)
         check_params({"params": {n: list(s) for n, s in view.params.items()}}, engine, where)
     if isinstance(view, StageView):
