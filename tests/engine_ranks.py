@@ -217,10 +217,12 @@ def stage3_built_with_init(steps: int = 3) -> list[torch.Tensor]:
 
 
 def stage3_divergent_modules() -> str:
-    """Rank 1 skips a module: the first forward names where the ranks diverge."""
+    """Rank 1 skips a module: the first forward names where the ranks diverge (per-module units:
+    per block, the three layers are the root's one unit, gathered alike on both ranks)."""
     world = torch.distributed.get_world_size()
     cfg = config(3, "fp32", 1, world)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    cfg["zero_optimization"]["stage3_gather_unit"] = "module"
 
     class Branchy(torch.nn.Module):
         def __init__(self):

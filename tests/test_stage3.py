@@ -311,3 +311,69 @@ def test_a_user_hook_returning_a_value_is_named_as_the_cause(stage):
         "model's parameters. A post-accumulate-grad hook registered before zkit.initialize returned a value, and "
         "torch passes that value on to the next hook in place of the parameter; make that hook return None"
     )
+
+
+def _gathers_per_unit_kind(unit: str) -> dict:
+    """Rank function: a 3-layer GPT at stage 3, nothing persistent, nothing kept for reuse; the
+    units, the all-gathers of one forward and one backward, and whether at one replica a gathered
+    parameter lies in its unit's shard."""
+    import torch
+
+    import zkit
+    from zkit.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+                                 "stage3_gather_unit": unit}}
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    out = {"units": sorted(engine.partitioner.unit_modules), "in_shard": []}
+
+    def gathers() -> int:
+        return engine.comm_stats().get("all_gather", {}).get("calls", 0)
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Copies.count += func.overloadpacket.__name__ in ("copy_", "_to_copy")
+            return func(*args, **(kwargs or {}))
+
+    for _ in range(2):
+        calls = gathers()
+        Copies.count = 0
+        with Copies():
+            loss = engine(ids, ids)
+        out["forward_copies"] = Copies.count
+        out["forward"], calls = gathers() - calls, gathers()
+        engine.backward(loss)
+        out["backward"] = gathers() - calls
+        engine.step()
+    weight = model.blocks[1].mlp.fc.weight
+    with zkit.zero.GatheredParameters([weight]):
+        su = weight._zkit_unit
+        shard = su.shard
+        out["in_shard"] = (shard is not None and shard.data_ptr() <= weight.data_ptr() < shard.data_ptr()
+                           + shard.numel() * shard.element_size())
+    engine.close()
+    return out
+
+
+def test_stage3_gathers_a_block_per_collective_and_the_root():
+    """Per block (the default): one all-gather per block and one for the root in forward and again
+    in backward; DeepSpeed's per-module units gather every module with parameters apiece."""
+    block = run_ranks(_gathers_per_unit_kind, 2, args=("block",), timeout=300)[0]
+    assert block["units"] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert block["forward"] == block["backward"] == 4
+    module = run_ranks(_gathers_per_unit_kind, 2, args=("module",), timeout=300)[0]
+    assert len(module["units"]) > 4 and module["forward"] >= len(module["units"])
+
+
+def test_one_replica_computes_with_the_shard_itself():
+    (r,) = run_ranks(_gathers_per_unit_kind, 1, args=("block",), timeout=120)
+    assert r["in_shard"] is True
+    assert r["forward_copies"] == 0  # each of the 4 units gathered with no copy

@@ -36,19 +36,20 @@ def _change(model: GPT, change: str) -> None:
         raise ValueError(change)
 
 
-def _config(stage: int) -> dict:
+def _config(stage: int, unit: str) -> dict:
     return {
         "train_micro_batch_size_per_gpu": 2,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 64, "stage3_param_persistence_threshold": 0,
+                              "stage3_gather_unit": unit},
         "steps_per_print": 1000,
     }
 
 
-def _train(change: str, stage: int, under_init: bool) -> dict[str, torch.Tensor]:
+def _train(change: str, stage: int, under_init: bool, unit: str = "block") -> dict[str, torch.Tensor]:
     from zkit.zero import GatheredParameters, Init
 
-    cfg = _config(stage)
+    cfg = _config(stage, unit)
     if under_init:
         with Init(config=cfg):
             model = _gpt()
@@ -77,19 +78,19 @@ def _train(change: str, stage: int, under_init: bool) -> dict[str, torch.Tensor]
     return out, kept
 
 
-def init_against_whole(cases: list[tuple[str, int]]) -> dict:
-    """Per (change, stage): the largest parameter difference after training between the model
+def init_against_whole(cases: list[tuple[str, int, str]]) -> dict:
+    """Per (change, stage, stage3_gather_unit): the largest parameter difference after training between the model
     built under Init and the one built whole (None: not the same parameter names), and how many of
     stage 3's units out of all are still those Init made; or None and the error a run raised
     (every rank raises it alike, so the next cases still run)."""
     out = {}
-    for change, stage in cases:
-        whole, _ = _train(change, stage, under_init=False)
+    for change, stage, unit in cases:
+        whole, _ = _train(change, stage, under_init=False, unit=unit)
         try:
-            built, kept = _train(change, stage, under_init=True)
+            built, kept = _train(change, stage, under_init=True, unit=unit)
         except Exception as exc:  # noqa: BLE001 - reported per case
-            out[(change, stage)] = None, f"{type(exc).__name__}: {exc}"
+            out[(change, stage, unit)] = None, f"{type(exc).__name__}: {exc}"
             continue
         diff = max((built[n] - whole[n]).abs().max().item() for n in whole) if built.keys() == whole.keys() else None
-        out[(change, stage)] = diff, kept
+        out[(change, stage, unit)] = diff, kept
     return out

@@ -167,8 +167,8 @@ def estimate_memory(
         if type(num_params) is not int or num_params < 1:
             raise ValueError(f"num_params must be an int >= 1, got {num_params!r}")
         bucket = max(int(reduce_bucket_size), 1)
-        # one module per chunk, so stage 3 sees reduce_bucket_size-sized units too
-        shapes = [(f"chunk{i}.weight", (min(bucket, num_params - start),)) for i, start in enumerate(range(0, num_params, bucket))]
+        # one block (and module) per chunk, so stage 3 sees reduce_bucket_size-sized units too
+        shapes = [(f"chunks.{i}.weight", (min(bucket, num_params - start),)) for i, start in enumerate(range(0, num_params, bucket))]
         gpt = None
     total = sum(int(torch.Size(s).numel()) for _, s in shapes)
     if total == 0:

@@ -25,16 +25,23 @@ units on the ``align_elems`` boundaries of the ``nvme`` allocator record: 4 KiB)
 staging buffers of the largest unit (``master_grad``) and the sub-group buffer sets (master,
 gradient and state: ``optim_state``). Parameter offload exists at stage 3 only.
 
-Stage 3 follows :class:`zkit.zero.stage3.Stage3`: one unit per module's own parameters
-(:func:`stage3_units`; a parameter's module is its name up to the last dot), padded to the world
-size; ``param`` is every unit's shard in the training dtype plus the full buffer of each
-*persistent* unit (``numel <= stage3_param_persistence_threshold`` while the persistent total stays
-within ``stage3_model_persistence_threshold``: gathered once, kept);
+Stage 3 follows :class:`zkit.zero.stage3.Stage3` (:func:`stage3_plan`): with
+``stage3_gather_unit="block"`` one unit per block (a parameter's block is the first index in its
+name, ``layers.3`` of ``layers.3.mlp.weight``, where two or more indices share the prefix: the
+children of a ``ModuleList`` or ``Sequential``) and one for the root's other parameters, each
+parameter of at most ``stage3_param_persistence_threshold`` elements in a persistent unit of its
+own block's; with ``"module"`` one unit per module's own parameters (:func:`stage3_units`; a
+parameter's module is its name up to the last dot). Units are padded to the world size; ``param``
+is every unit's shard in the training dtype plus the full buffer of each *persistent* unit (per
+block: its small parameters; per module: a unit of ``numel <= stage3_param_persistence_threshold``;
+while the persistent total stays within ``stage3_model_persistence_threshold``: gathered once, kept);
 ``grad`` the gradient shards; ``bucket``, ``master`` and ``optim_state`` as at stage 2, over
 those units. ``gathered_param`` is the working set of forward and backward: the largest released
 unit plus a prefetch bucket of released units (``stage3_prefetch_bucket_size``), plus the units kept
 gathered for a reuse within ``stage3_max_reuse_distance`` elements (when it is not 0: one more
-largest unit and the distance), capped at all released units.
+largest unit and the distance), capped at all released units. With one replica and the shards on
+the training device, a shard is its unit's gathered buffer: neither the persistent full buffers nor
+``gathered_param`` take memory of their own.
 
 Purposes in :data:`TRANSIENT` exist only while a batch runs: gradients and buckets are made by the
 batch's first backward and handed back after the step (no stage holds gradient memory between
@@ -100,7 +107,7 @@ def plan(shapes: Sequence[tuple[str, tuple[int, ...]]], unit_numel: int, world_s
 
 
 def stage3_units(shapes: Sequence[tuple[str, tuple[int, ...]]], world_size: int) -> list[Unit]:
-    """Units exactly as ZeRO stage 3 plans them: one per module's own parameters (``shapes`` in
+    """Units exactly as ZeRO stage 3 plans them per module (``stage3_gather_unit: "module"``): one per module's own parameters (``shapes`` in
     registration order, so a module's parameters are consecutive), modules in reverse order."""
     by_module: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
     for name, shape in shapes:
@@ -110,6 +117,51 @@ def stage3_units(shapes: Sequence[tuple[str, tuple[int, ...]]], world_size: int)
         (unit,) = plan_units(params, 1 << 62, world_size)  # one unit whatever its size
         units.append(attrs.evolve(unit, index=index))
     return units
+
+
+def stage3_plan(shapes: Sequence[tuple[str, tuple[int, ...]]], world_size: int, unit: str = "block",
+                param_threshold: int = 100_000, model_threshold: int = sys.maxsize) -> list[tuple[Unit, bool]]:
+    """Stage 3's units and whether each is persistent, as :class:`zkit.zero.stage3.Stage3` plans
+    them (``shapes`` in registration order; see the module docstring for ``unit``)."""
+    if unit == "module":
+        units = stage3_units(shapes, world_size)
+        return list(zip(units, persistent_units([u.numel for u in units], param_threshold, model_threshold)))
+    names = [name for name, _ in shapes]
+    children: dict[str, set[str]] = {}
+    for name in names:
+        parts = name.split(".")[:-1]
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                children.setdefault(".".join(parts[:i]), set()).add(part)
+
+    def block(name: str) -> str:
+        parts = name.split(".")[:-1]
+        for i, part in enumerate(parts):
+            if part.isdigit() and len(children[".".join(parts[:i])]) >= 2:
+                return ".".join(parts[: i + 1])
+        return ""
+
+    groups: dict[str, list[tuple[str, tuple[int, ...]]]] = {}
+    for item in shapes:
+        groups.setdefault(block(item[0]), []).append(item)
+    grouped = [item for members in groups.values() for item in members]
+    keep = dict(zip([name for name, _ in grouped],
+                    persistent_units([_numel(shape) for _, shape in grouped], param_threshold, model_threshold)))
+    planned = [([item for item in members if keep[item[0]] is persistent], persistent)
+               for members in groups.values() for persistent in (False, True)]
+    planned = [(params, persistent) for params, persistent in reversed(planned) if params]
+    out = []
+    for index, (params, persistent) in enumerate(planned):
+        (u,) = plan_units(params, 1 << 62, world_size)
+        out.append((attrs.evolve(u, index=index), persistent))
+    return out
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def _owned_real(units: Iterable[Unit], rank: int) -> int:
@@ -134,6 +186,7 @@ def model_state_bytes(
     stage3_param_persistence_threshold: int = 100_000,
     stage3_model_persistence_threshold: int = sys.maxsize,
     stage3_max_reuse_distance: int = 1_000_000_000,
+    stage3_gather_unit: str | None = None,
     sub_group_size: int = 1_000_000_000,
     buffer_count: int = 4,
     align_elems: int = 1,
@@ -144,7 +197,7 @@ def model_state_bytes(
     training on the CPU, where host and device are one memory (the fp32 master is then the
     parameters even with offload). Stage 3 only: ``largest_layer`` overrides the largest released
     unit in ``gathered_param`` (default: from the shapes); the ``stage3_*`` arguments are the
-    config keys of the same names. ``align_elems``: the ``nvme`` allocator record's field of that
+    config keys of the same names (``stage3_gather_unit`` by default as in the config). ``align_elems``: the ``nvme`` allocator record's field of that
     name, where its master store starts each unit (:mod:`zkit.estimator.command` passes the installed
     record's)."""
     if stage not in STAGES:
@@ -163,7 +216,14 @@ def model_state_bytes(
         return StateBytes({}, {}, {}, supported=False)
     world = 1 if stage == 0 else world_size
     rank = 0 if stage == 0 else rank
-    units = stage3_units(shapes, world) if stage == 3 else plan(shapes, reduce_bucket_size, world)
+    if stage == 3:
+        if stage3_gather_unit is None:  # the config's default: per module with parameters offloaded
+            stage3_gather_unit = "module" if offload == "cpu+params" else "block"
+        planned = stage3_plan(shapes, world, stage3_gather_unit, int(stage3_param_persistence_threshold),
+                              int(stage3_model_persistence_threshold))
+        units, keep = [u for u, _ in planned], [k for _, k in planned]
+    else:
+        units = plan(shapes, reduce_bucket_size, world)
     padded = sum(u.padded for u in units)
     shard = sum(u.shard for u in units)
     owned = _owned_real(units, rank)
@@ -180,14 +240,15 @@ def model_state_bytes(
         # stages 0-1: full per-unit buffers (stage 1 reduce-scatters in place); stage 2: shards
         device["grad"] = shard * c if stage == 2 else padded * p
     else:
-        keep = persistent_units([u.numel for u in units], int(stage3_param_persistence_threshold),
-                                int(stage3_model_persistence_threshold))
         persistent = [u for u, k in zip(units, keep) if k]
         released = [u.padded for u, k in zip(units, keep) if not k]
         params_side = host if offload == "cpu+params" and accelerator else device
-        params_side["param"] = (shard + sum(u.padded for u in persistent)) * p
+        # one replica with the shards where they are computed with: a shard is its unit's gathered
+        # buffer (zkit.zero.sharded_params), nothing is gathered beside it
+        in_place = world == 1 and params_side is device
+        params_side["param"] = (shard + (0 if in_place else sum(u.padded for u in persistent))) * p
         device["grad"] = shard * c
-        if released:
+        if released and not in_place:
             largest = max(released) if largest_layer is None else int(largest_layer)
             # zkit.zero.reuse: the units kept for a reuse within the distance (at 0 only a unit used
             # again next, already counted as the one in use)

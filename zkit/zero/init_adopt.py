@@ -4,9 +4,10 @@ Init partitions each module's parameters as the module is built, one unit per mo
 code has finished with the model: it may still set a parameter to ``None``, replace one, or freeze
 some (BitFit, LoRA-style partial freezing). Stage 3 partitions a module's *trainable* parameters
 (:func:`stage3_groups`) and keeps frozen ones whole, like the same model built without Init. So a
-unit Init made is kept only if it is exactly one of stage 3's units; every other unit is gathered
-and its parameters become whole ordinary parameters again, which the partitioner then treats as it
-would a model built whole (re-partitioning the trainable ones from their real values). At stages
+unit Init made is kept only if stage 3 trains all of its parameters (stage 3 then forms its own
+units of them, gathering one block's Init units at a time); every other unit is gathered and its
+parameters become whole ordinary parameters again, which the partitioner then treats as it would a
+model built whole (re-partitioning the trainable ones from their real values). At stages
 0-2, and with a partitioner of no ZeRO stage, every unit is gathered: those keep whole parameters
 on every rank anyway (DeepSpeed fails there at the first forward).
 
@@ -19,22 +20,38 @@ data-parallel group is smaller).
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 import torch
 
 from zkit.core import distributed
 from zkit.checkpoint.parts import model_part
-from zkit.zero.flat import plan_units
 from zkit.zero.sharded_params import ShardedUnit, ZeroParameter
 
 log = logging.getLogger("zkit")
 
 
-def stage3_groups(module: torch.nn.Module) -> list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]:
-    """Stage 3's units, in module order: each module's own trainable parameters (named from the
-    root), a parameter reachable from several modules in the first of them only."""
+#: the values of ``zero_optimization.stage3_gather_unit``
+GATHER_UNITS = ("block", "module")
+
+
+def stage3_groups(module: torch.nn.Module, unit: str = "module") -> list[tuple[str, list[tuple[str, torch.nn.Parameter]]]]:
+    """Stage 3's parameter groups, in module order, each ``(module name, [(name, parameter)])``
+    with the parameters named from the root and only trainable ones, a parameter reachable from
+    several modules in the first of them only.
+
+    ``unit="module"`` (DeepSpeed's): each module's own parameters. ``unit="block"`` (FSDP2's
+    per-block wrap): every parameter under a block (:func:`blocks`) is in that block's group, every
+    other one in the root's (named ``""``, placed where its first parameter is)."""
+    if unit not in GATHER_UNITS:
+        raise ValueError(f"stage-3 gather unit {unit!r}: expected one of {', '.join(GATHER_UNITS)}")
+    owner = {}
+    if unit == "block":
+        for name, block in blocks(module):
+            for sub, _ in block.named_modules(prefix=name):
+                owner[sub] = name
     seen: set[int] = set()
-    groups = []
+    groups: dict[str, list[tuple[str, torch.nn.Parameter]]] = {}
     for mname, m in module.named_modules():
         own = [
             (f"{mname}.{n}" if mname else n, p)
@@ -43,8 +60,26 @@ def stage3_groups(module: torch.nn.Module) -> list[tuple[str, list[tuple[str, to
         ]
         seen.update(id(p) for _, p in own)
         if own:
-            groups.append((mname, own))
-    return groups
+            key = mname if unit == "module" else owner.get(mname, "")
+            groups.setdefault(key, []).extend(own)
+    return list(groups.items())
+
+
+def blocks(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's blocks, in module order: the children of a ``ModuleList`` or ``Sequential`` of
+    which the container holds at least two of the same class (a transformer's layers), outermost
+    first (a block inside a block is part of it)."""
+    found: list[tuple[str, torch.nn.Module]] = []
+    inside: set[int] = set()
+    for mname, m in module.named_modules():
+        if id(m) in inside or not isinstance(m, (torch.nn.ModuleList, torch.nn.Sequential)):
+            continue
+        kinds = Counter(type(c) for c in m.children())
+        for cname, child in m.named_children():
+            if kinds[type(child)] >= 2 and id(child) not in inside:
+                found.append((f"{mname}.{cname}" if mname else cname, child))
+                inside.update(id(s) for s in child.modules())
+    return found
 
 
 def adopt_init_model(module: torch.nn.Module, stage: int | None, world_size: int) -> int:
@@ -56,15 +91,12 @@ def adopt_init_model(module: torch.nn.Module, stage: int | None, world_size: int
         return 0
     kept: set[int] = set()
     if stage == 3:
-        for _, own in stage3_groups(module):
-            params = [p for _, p in own]
-            su = getattr(params[0], "_zkit_unit", None)
-            if su is None or len(su.params) != len(params) or any(a is not b for a, b in zip(su.params, params)):
-                continue
-            if su.comm.world_size != world_size:  # Init's world, not the partitioner's data-parallel group
-                continue
-            (planned,) = plan_units([(n, p.shape) for n, p in own], 1 << 62, world_size)
-            if planned.padded == su.unit.padded:
+        # Stage 3 takes over a unit whose parameters it trains, whatever units it forms of them
+        # (per block, it gathers the units of one block at a time into the block's own units).
+        trainable = {id(p) for _, own in stage3_groups(module) for _, p in own}
+        for su in units:
+            # Init's world, not the partitioner's data-parallel group (tensor parallelism)
+            if su.comm.world_size == world_size and all(id(p) in trainable for p in su.params):
                 kept.add(id(su))
     whole = 0
     for su in units:

@@ -1,7 +1,7 @@
 """Partitioned parameters for ZeRO stage 3.
 
-Each module's own parameters form one :class:`ShardedUnit`: a flat buffer, padded and split in
-equal shards, of which a rank keeps only its shard. The full buffer exists only while the unit is
+A stage-3 unit's parameters (a block's, or one module's) form one :class:`ShardedUnit`: a flat
+buffer, padded and split in equal shards, of which a rank keeps only its shard. The full buffer exists only while the unit is
 *gathered*; released parameters keep their shape (their ``.data`` is a one-element placeholder
 expanded to the shape, so ``p.shape`` still answers) and are instances of :class:`ZeroParameter`,
 whose ``__torch_function__`` gathers a released parameter on use while a stage-3 engine runs its
@@ -374,6 +374,13 @@ class ShardedUnit:
         self._holds_store = False
         #: the last copy into the shard or out of it for a gather (``allocator.copies``)
         self.copy: Copy = DONE
+        #: the gathered buffer is the shard itself (one rank, the shard in memory on the device)
+        self.full_is_shard = False
+        #: the parameters' views of the shard while ``full_is_shard`` (the shard, the views), and
+        #: their placeholders while released ((dtype, device), the placeholders): made once, not
+        #: per gather and release
+        self._shard_views: tuple[torch.Tensor, list[torch.Tensor]] | None = None
+        self._placeholders: tuple[tuple[torch.dtype, torch.device], list[torch.Tensor]] | None = None
         for p in params:
             p.__class__ = ZeroParameter
             p._zkit_unit = self
@@ -392,9 +399,11 @@ class ShardedUnit:
         self._full = value
 
     @classmethod
-    def from_params(cls, unit: Unit, params: list[torch.nn.Parameter], comm: Any, allocator: Any, rank: int, module_name: str) -> "ShardedUnit":
-        """Keep this rank's shard of the parameters' current (full) values, then release them."""
-        dtype, device = params[0].dtype, params[0].device
+    def from_params(cls, unit: Unit, params: list[torch.nn.Parameter], comm: Any, allocator: Any, rank: int, module_name: str,
+                    dtype: torch.dtype | None = None) -> "ShardedUnit":
+        """Keep this rank's shard of the parameters' current (full) values (cast to ``dtype``, by
+        default theirs), then release them."""
+        dtype, device = dtype or params[0].dtype, params[0].device
         flat = torch.zeros(unit.padded, dtype=dtype, device=device)
         for slot, p in zip(unit.slots, params):
             flat[slot.offset : slot.offset + slot.numel].copy_(p.data.reshape(-1))
@@ -451,6 +460,13 @@ class ShardedUnit:
             return
         # The gathered parameters are computed with: on the training device, wherever shards live.
         device = self.allocator.device
+        if self.comm.world_size == 1 and self._shard_serves_as_full(device):
+            # One rank, the shard in memory where it is computed with: the shard is the gathered
+            # buffer, no copy (used once a write into it still in flight is done).
+            self.full_is_shard = True
+            self.full = self.shard
+            self.handle = self.copy
+            return
         if self.spares is not None:
             self.full = self.spares.take(self.unit.padded, self.shard_dtype, device)
         else:
@@ -471,6 +487,11 @@ class ShardedUnit:
         self._gather_src = self.device_shard(device)
         self._holds_store = self.store.shards_leave_memory
         self.handle = self.comm.all_gather(self.full, self._gather_src, async_op=True)
+
+    def _shard_serves_as_full(self, device: torch.device) -> bool:
+        shard = self.shard
+        return (shard is not None and not self.store.shards_leave_memory and shard.device == device
+                and shard.numel() == self.unit.padded)
 
     def device_shard(self, device: torch.device) -> torch.Tensor:
         """This rank's shard on ``device``, ready for a collective there: a host shard is copied on
@@ -505,9 +526,18 @@ class ShardedUnit:
             self.store.release(self)
 
     def _attach(self) -> None:
-        for slot, p in zip(self.unit.slots, self.params):
-            p.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        if self.full_is_shard:
+            if self._shard_views is None or self._shard_views[0] is not self.full:
+                self._shard_views = (self.full, self._views(self.full))
+            views = self._shard_views[1]
+        else:
+            views = self._views(self.full)
+        for view, p in zip(views, self.params):
+            p.data = view
             p._zkit_released = False
+
+    def _views(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return [full[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self.unit.slots]
 
     def release(self, force: bool = False) -> None:
         """Drop the full buffer (unless persistent); parameters become placeholders."""
@@ -516,11 +546,17 @@ class ShardedUnit:
         with span("release %r", self.module_name or "root"):  # host time per release in profiler traces
             if self.handle is not None:
                 self._finish_gather()
-            for p in self.params:
-                p.data = _placeholder(p)
+            where = (self.full.dtype, self.full.device)
+            if self._placeholders is None or self._placeholders[0] != where:
+                self._placeholders = (where, [_placeholder(p) for p in self.params])
+            for placeholder, p in zip(self._placeholders[1], self.params):
+                p.data = placeholder
                 p._zkit_released = True
-            self.allocator.release(self.full, "param")
             full, self.full = self.full, None
+            if self.full_is_shard:
+                self.full_is_shard = False
+                return
+            self.allocator.release(full, "param")
             if self.spares is not None:
                 self.spares.give(full)
 
@@ -547,6 +583,18 @@ class ShardedUnit:
         self.shard = old.to(device=device, dtype=dtype)
         self.allocator.release(old, "param")
         self.allocator.track("param", self.shard.numel() * self.shard.element_size())
+
+    def drop(self) -> None:
+        """Free the buffers of a unit whose parameters other units hold now (regrouped by stage 3)."""
+        if self.handle is not None:
+            self._finish_gather()
+        if self.full is not None and not self.full_is_shard:
+            self.allocator.release(self.full, "param")
+        self.full, self.full_is_shard = None, False
+        if self.shard is not None:
+            self.allocator.release(self.shard, "param")
+            self.shard = None
+        self.params = []
 
     def write_back(self, rank: int) -> None:
         """Copy this rank's range of the (gathered, possibly edited) full buffer into its shard."""

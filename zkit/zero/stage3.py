@@ -1,10 +1,13 @@
 """Stage 3: parameters partitioned too. Per-rank model states: 16Ψ/N; communication 3Ψ (the
 parameters are all-gathered in forward and again in backward, gradients reduce-scattered).
 
-Each module's own parameters are one unit (:mod:`zkit.zero.sharded_params`). A unit is gathered when
-its parameters are first used in forward, released after its module's forward, gathered again when
-backward needs a saved parameter, and released once its gradients are reduced. Units under
-``stage3_param_persistence_threshold`` elements stay gathered. The order units are gathered in during
+Parameters are gathered in units (:mod:`zkit.zero.sharded_params`): by default each block of the
+model with every parameter under it, and the root with the rest (``stage3_gather_unit``: "block",
+:func:`zkit.zero.init_adopt.blocks`); or each module's own parameters ("module", DeepSpeed's). A
+unit is gathered when its parameters are first used in forward, released after its module's (its
+block's) forward, gathered again when backward needs a saved parameter, and released once its
+gradients are reduced. Parameters (per module: units) of at most
+``stage3_param_persistence_threshold`` elements stay gathered; per block, in a unit of their own. The order units are gathered in during
 the first forward is recorded; afterwards each gather prefetches the next units of that order
 (backward: the reverse order) up to ``stage3_prefetch_bucket_size`` elements, never holding more than
 ``stage3_max_live_parameters`` gathered elements, and a unit whose next use is within
@@ -31,7 +34,7 @@ from zkit.zero.init_adopt import stage3_groups
 from zkit.zero.memory_param_store import param_shard_store
 from zkit.zero.returned import returned_params
 from zkit.zero.reuse import kept_after_use
-from zkit.zero.sharded_params import ACTIVE, GatheredElements, ShardedUnit, SpareBuffers, unpack_saved
+from zkit.zero.sharded_params import ACTIVE, GatheredElements, ShardedUnit, SpareBuffers, ZeroParameter, unpack_saved
 from zkit.zero.stage2 import Stage2
 
 
@@ -44,11 +47,29 @@ class Stage3(Stage2):
 
     # -- layout ----------------------------------------------------------------------------------
     def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
-        groups = stage3_groups(self.module)
-        groups.reverse()  # backward order, so reductions launch as gradients arrive
-        self.unit_modules = [mname for mname, _ in groups]
+        zc = zero_config(self.ctx.config)
+        groups = stage3_groups(self.module, zc.stage3_gather_unit)
+        limits = int(zc.stage3_param_persistence_threshold), int(zc.stage3_model_persistence_threshold)
+        planned: list[tuple[str, list[tuple[str, torch.nn.Parameter]], bool]] = []
+        if zc.stage3_gather_unit == "block":
+            # Per parameter, as DeepSpeed's threshold: a block's small parameters (norms, biases)
+            # stay gathered in a unit of their own, the rest is gathered and released per block.
+            keep = iter(persistent_units([p.numel() for _, own in groups for _, p in own], *limits))
+            for mname, own in groups:
+                flags = [next(keep) for _ in own]
+                for persistent in (False, True):
+                    part = [named_param for named_param, f in zip(own, flags) if f is persistent]
+                    if part:
+                        planned.append((mname, part, persistent))
+            planned.reverse()  # backward order, so reductions launch as gradients arrive
+        else:
+            groups.reverse()
+            keep = persistent_units([sum(p.numel() for _, p in own) for _, own in groups], *limits)
+            planned = [(mname, own, k) for (mname, own), k in zip(groups, keep)]
+        self.unit_modules = [mname for mname, _, _ in planned]
+        self._unit_persistent = [k for _, _, k in planned]
         units = []
-        for i, (_, own) in enumerate(groups):
+        for i, (_, own, _) in enumerate(planned):
             (u,) = plan_units([(n, p.shape) for n, p in own], 1 << 62, self.world)
             units.append(attrs.evolve(u, index=i))
         return units
@@ -57,15 +78,11 @@ class Stage3(Stage2):
         zc = zero_config(self.ctx.config)
         self.sharded: list[ShardedUnit] = []
         self._gathered = GatheredElements()
-        persistent = persistent_units(
-            [u.numel for u in self.units],
-            int(zc.stage3_param_persistence_threshold),
-            int(zc.stage3_model_persistence_threshold),
-        )
-        for u, params, mname, keep in zip(self.units, self.unit_params, self.unit_modules, persistent):
+        for u, params, mname, keep in zip(self.units, self.unit_params, self.unit_modules, self._unit_persistent):
             existing = getattr(params[0], "_zkit_unit", None)
             # by identity (``==`` on parameters would compare values); a unit Init made that is not
-            # exactly this one was gathered whole by initialize (zkit.zero.init_adopt)
+            # exactly this one is gathered and its values taken over (its parameters are all ones
+            # this partitioner trains: zkit.zero.init_adopt)
             if (existing is not None and len(existing.params) == len(params)
                     and all(a is b for a, b in zip(existing.params, params)) and existing.unit.padded == u.padded):
                 su = existing  # built partitioned by zkit.zero.Init
@@ -78,9 +95,11 @@ class Stage3(Stage2):
                 else:
                     self.allocator.track("param", su.shard.numel() * su.shard.element_size())
             else:
-                su = ShardedUnit.from_params(u, params, self.comm, self.allocator, self.rank, mname)
+                su = _regrouped(u, params, self.comm, self.allocator, self.rank, mname, self.dtype)
             su.persistent = keep
             if su.persistent:
+                if su.comm.world_size == 1:
+                    su.release(force=True)  # gathered again as the shard itself, where it can be
                 su.wait()
             else:
                 su.release()
@@ -110,10 +129,13 @@ class Stage3(Stage2):
         self._order: list[int] = []
         self._cursor = -1
         self._hooks_fwd = []
-        owner = {name: i for i, name in enumerate(self.unit_modules)}
+        owner: dict[str, list[int]] = {}
+        for i, name in enumerate(self.unit_modules):
+            if not self.sharded[i].persistent:
+                owner.setdefault(name, []).append(i)
         for mname, module in self.module.named_modules():
-            if mname in owner:
-                self._hooks_fwd.append(module.register_forward_hook(self._after_module_forward(owner[mname])))
+            for i in owner.get(mname, ()):
+                self._hooks_fwd.append(module.register_forward_hook(self._after_module_forward(i)))
 
     def _param_shard(self, unit: Unit) -> torch.Tensor:
         return self.sharded[unit.index].local_shard()
@@ -257,7 +279,11 @@ class Stage3(Stage2):
 
     @contextlib.contextmanager
     def forward_context(self) -> Iterator[None]:
-        with self._active("forward"), torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack_saved):
+        # A saved parameter is gathered again when backward unpacks it; with every unit persistent
+        # none is released in between, and the hooks (an op per saved tensor) are left out.
+        regather = (contextlib.nullcontext() if all(su.persistent for su in self.sharded)
+                    else torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack_saved))
+        with self._active("forward"), regather:
             yield
         self._release_after_forward()
         if not self.trace_frozen:
@@ -315,7 +341,7 @@ class Stage3(Stage2):
         handles = []
         with self.comm.coalesced():
             for su in self.sharded:
-                if su.persistent:
+                if su.persistent and not su.full_is_shard:
                     handles.append(self.comm.all_gather(su.full, su.device_shard(su.full.device), async_op=True))
         for h in handles:
             h.wait()
@@ -325,6 +351,23 @@ class Stage3(Stage2):
         for h in self._hooks_fwd:
             h.remove()
         self._hooks_fwd = []
+
+
+def _regrouped(unit: Unit, params: list[torch.nn.Parameter], comm, allocator, rank: int, module_name: str,
+               dtype: torch.dtype) -> ShardedUnit:
+    """A new unit of ``params``, some of which may be in units :class:`zkit.zero.Init` made: those
+    are gathered first, and each is dropped once another unit holds all of its parameters."""
+    olds = list({id(p._zkit_unit): p._zkit_unit for p in params if isinstance(p, ZeroParameter)}.values())
+    for old in olds:
+        if old.store.shards_leave_memory:  # out of Init's shard store (NVMe): its file goes with it
+            old.shard_to_memory()
+        old.wait()
+    # Init's dtype may differ from the training one (parameters built whole were cast by the engine)
+    su = ShardedUnit.from_params(unit, params, comm, allocator, rank, module_name, dtype if olds else None)
+    for old in olds:
+        if all(p._zkit_unit is not old for p in old.params):
+            old.drop()
+    return su
 
 
 class _StoredMaster:

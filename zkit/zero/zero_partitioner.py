@@ -425,7 +425,7 @@ class ZeroPartitioner(Partitioner):
             reduce_bucket_size=z.reduce_bucket_size, overlap_comm=z.overlap_comm,
             stage3_prefetch_bucket_size=z.stage3_prefetch_bucket_size,
             stage3_param_persistence_threshold=z.stage3_param_persistence_threshold,
-            stage3_max_reuse_distance=z.stage3_max_reuse_distance,
+            stage3_max_reuse_distance=z.stage3_max_reuse_distance, stage3_gather_unit=z.stage3_gather_unit,
         )
         return states.device_total + states.host_total
 
