@@ -100,7 +100,7 @@ LONG_MODEL = dict(vocab_size=8000, n_layer=2, d_model=64, n_head=4, n_kv_head=2,
 SETUPS = {
     "data parallel (4 replicas)": (1, {}, {}),
     "Ulysses 4": (4, {}, {}),
-    "Ulysses 4 + tiled MLP, tiled logits + loss, checkpoints to host": (
+    "Ulysses 4 + tiled MLP and loss + checkpoints to host": (
         4, {"mlp_tiles": 8, "loss_tiles": 16, "checkpoint_blocks": True},
         {"activation_checkpointing": {"cpu_checkpointing": True}}),
     "Ulysses 4 + block-sparse attention": (

@@ -58,3 +58,21 @@ def groups_after_initialize() -> dict:
     engine.destroy()
     groups._set_sequence_parallel_group(None)
     return out
+
+
+def adapter_batches() -> list[dict]:
+    """DeepSpeed's own test of UlyssesSPDataLoaderAdapter (tests/unit/ulysses_alst/test_ulysses_sp_hf.py):
+    the first two batches each rank gets, as lists."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+    def collate(batch):
+        input_ids, position_ids = batch[0]
+        return dict(input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0),
+                    labels=input_ids.unsqueeze(0))
+
+    ds = torch.utils.data.TensorDataset(torch.tensor([[1, 10, 10, 10, 2, 2], [1, 20, 20, 20, 2, 2]]),
+                                        torch.tensor([[0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5]]))
+    dl = torch.utils.data.DataLoader(ds, batch_size=1, collate_fn=collate)
+    adapter = UlyssesSPDataLoaderAdapter(dl, sp_rank=torch.distributed.get_rank(), sp_group=None,
+                                         sp_world_size=2, device="cpu")
+    return [{k: v.tolist() for k, v in next(adapter).items()} for _ in range(2)]

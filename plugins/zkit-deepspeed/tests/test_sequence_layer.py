@@ -38,3 +38,23 @@ def test_groups_answer_the_engines_sequence_group():
     results = run_ranks(slr.groups_after_initialize, 2, timeout=120)
     for rank, r in enumerate(results):
         assert r == {"size": 2, "rank": rank, "same": True, "train_batch": 1, "seq_dp": 2}, r
+
+
+def test_the_data_loader_adapter_gives_deepspeeds_slices():
+    results = run_ranks(slr.adapter_batches, 2, timeout=120)
+    # DeepSpeed's expected_batch_b: rank 0's batch, sliced, then rank 1's (the same sample here)
+    expected = [{"input_ids": [[1, 10, 10]], "position_ids": [[0, 1, 2]], "shift_labels": [[10, 10, 10]]},
+                {"input_ids": [[10, 2, 2]], "position_ids": [[3, 4, 5]], "shift_labels": [[2, 2, -100]]}]
+    for rank, batches in enumerate(results):
+        assert batches == [expected[rank], expected[rank]], (rank, batches)
+
+
+def test_the_adapter_refuses_a_batch_without_position_ids_and_the_hf_attention_is_refused():
+    from deepspeed.refused import FeatureNotProvided
+    from deepspeed.runtime.sequence_parallel import ulysses_sp
+
+    adapter = ulysses_sp.UlyssesSPDataLoaderAdapter([{"input_ids": torch.zeros(1, 4)}], 0, None, 2, "cpu")
+    with pytest.raises(ValueError, match="Ulysses SP requires `position_ids`"):
+        next(adapter)
+    with pytest.raises(FeatureNotProvided, match="zkit-sequence's 'ulysses' record"):
+        ulysses_sp.UlyssesSPAttentionHF

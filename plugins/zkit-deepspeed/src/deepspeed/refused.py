@@ -35,9 +35,11 @@ _DS_INFERENCE = Refusal("DeepSpeed-Inference: kernel injection and tensor-parall
                         "evaluate with an engine built without an optimizer, or the plain model")
 _MOE = Refusal("mixture-of-experts layers and expert parallelism",
                "train the model without MoE layers, or with DeepSpeed")
-_SEQUENCE_PARALLEL = Refusal("DeepSpeed's Hugging Face integration of Ulysses sequence parallelism (ALST)",
+_SEQUENCE_PARALLEL = Refusal("DeepSpeed's Hugging Face integration of Ulysses sequence parallelism and ALST's tiled "
+                             "autograd functions",
                              "build the model's attention with zkit-sequence's 'ulysses' record and set "
-                             "sequence_parallel_size, or use deepspeed.sequence.layer.DistributedAttention")
+                             "sequence_parallel_size (zkit_sequence.TiledMLP and SequenceParallelCrossEntropy(tiles) "
+                             "for the tiling), or use deepspeed.sequence.layer.DistributedAttention")
 _SEQUENCE_EXTRAS = Refusal("DeepSpeed's FPDT, AutoSP and vocabulary-parallel cross-entropy around Ulysses",
                            "use deepspeed.sequence.layer.DistributedAttention, or zkit-sequence's attention and "
                            "sequence_cross_entropy")
@@ -96,7 +98,7 @@ REFUSED_MODULES: dict[str, Refusal] = {
     "deepspeed.moe.sharded_moe": _MOE,
     **{f"deepspeed.sequence.{m}": _SEQUENCE_EXTRAS for m in ("fpdt_layer", "cross_entropy", "auto_sp",
                                                              "autosp_detector", "autosp_fusion", "autosp_vit")},
-    "deepspeed.runtime.sequence_parallel": _SEQUENCE_PARALLEL,
+    "deepspeed.runtime.sequence_parallel.parallel_state_sp": _SEQUENCE_PARALLEL,
     **{f"deepspeed.compression.{m}": _COMPRESSION for m in _COMPRESSION_MODULES},
     "deepspeed.ops.transformer": _COMPILED_OPS,
     "deepspeed.io": _FAST_IO,
@@ -106,6 +108,9 @@ REFUSED_MODULES: dict[str, Refusal] = {
 
 #: attributes of modules zkit provides that raise when read
 REFUSED_NAMES: dict[str, Refusal] = {
+    **{f"deepspeed.runtime.sequence_parallel.ulysses_sp.{name}": _SEQUENCE_PARALLEL
+       for name in ("UlyssesSPAttentionHF", "SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP",
+                    "TiledFusedLogitsLoss", "TiledLoss", "AutogradComputeMLP", "UlyssesSPFwdLossBwdWithLogits")},
     "deepspeed.DeepSpeedTransformerLayer": _COMPILED_OPS,
     "deepspeed.DeepSpeedTransformerConfig": _COMPILED_OPS,
     "deepspeed.replace_transformer_layer": _DS_INFERENCE,
