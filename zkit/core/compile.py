@@ -68,7 +68,7 @@ def compile_in_place(module: torch.nn.Module, partitioner: PartitionerRecord, co
     """Compile ``module``'s calls with the compiler context taken from an ``OptimizedModule``
     (what ``module.compile(backend=..., **options)`` would install)."""
     refuse_partitioner(partitioner)
-    module._compiled_call_impl = context(module._call_impl)
+    module._compiled_call_impl = _floats_specialized(context(module._call_impl))
 
 
 def compile_module(module: torch.nn.Module, partitioner: PartitionerRecord, backend: Any,
@@ -85,6 +85,23 @@ def compile_module(module: torch.nn.Module, partitioner: PartitionerRecord, back
     if kwargs.pop("backend", backend) != backend:  # DeepSpeed's rule: the argument wins, with a warning
         log.warning("engine.compile: the backend in compile_kwargs is overridden by backend=%r", backend)
     module.compile(backend=backend, **kwargs)
+    module._compiled_call_impl = _floats_specialized(module._compiled_call_impl)
+
+
+def _floats_specialized(compiled: Any) -> Any:
+    """``compiled``, traced with Python floats as constants (``specialize_float``). A float that
+    changes between calls (a dropout probability read as ``self.p``, scheduled) otherwise becomes
+    a graph input the first time it changes, and this torch's Dynamo (2.13) crashes when a module
+    reading it is checkpointed at two call sites: "lift_tracked_freevar_to_input should not be
+    called on root SubgraphTracer" (pytorch/pytorch#193194). Specialized, each new value compiles
+    once more, within Dynamo's recompile limit."""
+    import torch._dynamo
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with torch._dynamo.config.patch(specialize_float=True):
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 def is_compiled(module: torch.nn.Module) -> bool:
