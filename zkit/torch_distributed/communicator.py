@@ -75,9 +75,10 @@ class TorchCommunicator(Communicator):
     def __init__(self, group: Any = None, config: Any = None, flat_collectives: str | None = None) -> None:
         timeout = diagnostics.timeout_seconds(config)
         self._own_group = None
+        self._closed = False
         if group is None and timeout and dist.get_world_size() > 1:
             group = self._own_group = dist.new_group(timeout=diagnostics.as_timedelta(timeout))
-        self.group = group
+        self._group = group
         super().__init__(dist.get_rank(group), dist.get_world_size(group))
         self.backend = dist.get_backend(group)
         self.flat = collectives.choose(self.backend, flat_collectives, self.world_size)
@@ -105,10 +106,26 @@ class TorchCommunicator(Communicator):
                 diagnostics.report(self.fingerprints, dist.get_rank(), self._global_ranks, exc, store)
             ) from exc
 
+    @property
+    def group(self) -> Any:
+        """The process group the collectives run on (``None``: the default group)."""
+        if self._closed:
+            # ValueError, as for I/O on a closed file; a RuntimeError would read as a failed collective
+            raise ValueError("this communicator was closed (engine.close() destroyed its process group): "
+                             "build a new engine to train on")
+        return self._group
+
     def close(self) -> None:
-        if self._own_group is not None:
-            dist.destroy_process_group(self._own_group)
-            self._own_group = None
+        """Destroy the group this communicator created and drop the last reference to it, so its
+        worker threads are joined now, while the interpreter is whole. Left alive until the
+        interpreter's exit, a worker thread that releases the last reference to a finished
+        collective's tensor needs the interpreter's lock, and a finalizing interpreter ends such a
+        thread: the process aborts ("terminate called without an active exception", SIGABRT)
+        after the script finished. The caller has waited for every collective it issued."""
+        if self._own_group is None:
+            return
+        group, self._own_group, self._group, self._closed = self._own_group, None, None, True
+        dist.destroy_process_group(group)
 
     @contextlib.contextmanager
     def coalesced(self) -> Iterator[None]:
