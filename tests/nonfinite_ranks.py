@@ -79,8 +79,9 @@ def nan_gradient_under_a_finite_loss(stages: list[int], dtype: str, target: str 
     for stage in stages:
         torch.manual_seed(0)
         model = _PoisonedLinear(target, value)
+        # printing every step reads every step's verdict at that step: the stop comes at step 3
         cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-               "zero_optimization": {"stage": stage}, "steps_per_print": 1000, "nonfinite_steps_limit": 1}
+               "zero_optimization": {"stage": stage}, "steps_per_print": 1, "nonfinite_steps_limit": 1}
         if dtype == "bf16":
             cfg["bf16"] = {"enabled": True}
         engine, *_ = zkit.initialize(model=model, config=cfg)

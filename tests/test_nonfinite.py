@@ -1,5 +1,7 @@
 """A NaN or infinity in bf16/fp32 training skips the step with a warning (as fp16's overflow does)
-and stops the job, naming the step, after ``nonfinite_steps_limit`` such steps in a row."""
+and stops the job, naming the step, after ``nonfinite_steps_limit`` such steps in a row. The
+verdicts stay on the device and are read every ``steps_per_print`` steps: most tests here print
+every step, so each step's verdict is read at that step."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +17,7 @@ from tests.nonfinite_ranks import (nan_gradient_under_a_finite_loss, padding_of_
 def _engine(**extra):
     torch.manual_seed(0)
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.1}},
-           "steps_per_print": 1000, **extra}
+           "steps_per_print": 1, **extra}
     return zkit.initialize(model=torch.nn.Linear(4, 2), config=cfg)[0]
 
 
@@ -52,6 +54,34 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_job_naming_the_step():
     with pytest.raises(FloatingPointError, match=r"step 4: the loss or the gradients were NaN or infinite for 3 steps "
                                                  r"in a row \(nonfinite_steps_limit is 2\); training stopped"):
         _step(engine, bad=True)
+
+
+def test_verdicts_read_every_steps_per_print_stop_the_job_naming_the_step_that_crossed_the_limit(caplog):
+    # steps_per_print 4: steps 2 and 3 are skipped on the device, unread, and step 4 trains on;
+    # at step 4 the verdicts are read: step 2's warning, then step 3's stop, naming step 3.
+    engine = _engine(nonfinite_steps_limit=1, steps_per_print=4)
+    for bad in (False, True, True):
+        _step(engine, bad=bad)
+    assert not caplog.text  # nothing read yet
+    with caplog.at_level("WARNING", logger="zkit"):
+        with pytest.raises(FloatingPointError) as err:
+            _step(engine, bad=False)
+    assert "step 2: the loss or the gradients are NaN or infinite; step skipped (1 in a row, the job stops after 1)" \
+        in caplog.text
+    assert str(err.value) == (
+        "step 3: the loss or the gradients were NaN or infinite for 2 steps in a row (nonfinite_steps_limit is 1); "
+        "training stopped. Lower the learning rate, enable gradient_clipping, or look for bad inputs in the batches "
+        "before step 3")
+
+
+def test_skipped_steps_and_the_grad_norm_read_lazily_are_those_of_the_steps():
+    engine = _engine(gradient_clipping=1.0, steps_per_print=1000)
+    for bad in (False, True, False, True, True):
+        _step(engine, bad=bad)
+        norm = engine.get_global_grad_norm()
+        assert engine.was_step_applied() == (not bad) and (norm > 0 and not bad or norm != norm and bad)
+    assert engine.skipped_steps == 3
+    assert all(torch.isfinite(p).all() for p in engine.module.parameters())
 
 
 @pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (2, "bf16")])

@@ -23,9 +23,10 @@ process starts (glibc's ``MALLOC_*``), and its own copy of torch's pages, which 
 rank joins does not count. Benchmarks that measure memory therefore keep ``spawn``.
 
 Also here for tests: :class:`CountingBackend` (a ``torch.compile`` backend counting graphs),
-:class:`OpsOutsideCompiledGraphs` (the aten ops a call dispatches outside compiled graphs) and
+:class:`OpsOutsideCompiledGraphs` (the aten ops a call dispatches outside compiled graphs),
 :class:`CountingCommunicator` with :func:`counting_communicator_record` (a third-party
-communicator: torch's, counting its calls).
+communicator: torch's, counting its calls), and :func:`count_step` (:mod:`zkit.step_counts`: the
+ops, host-device syncs and collectives one training step dispatches).
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from zkit.core.communicator import Communicator
 from zkit.rank_failures import is_secondary
+from zkit.step_counts import OpCounter, StepCounts, count_step, storages_of  # noqa: F401 - test helpers
 
 
 class RanksFailed(RuntimeError):

@@ -105,12 +105,13 @@ def _optimizer_step(forward: Callable[..., torch.Tensor], opt: torch.optim.Optim
 
 
 def _fsdp2(shape: Shape, dtype: str, device: torch.device) -> Step:
+    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     with torch.device("meta"):
         model = PlainGPT(shape)
-    mesh = init_device_mesh(device.type, (1,))
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))  # bench_host.py: 2 ranks too
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if dtype == "bf16" else MixedPrecisionPolicy()
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)

@@ -32,6 +32,7 @@ from zkit.core.precision import LossScaler, cast_model
 from zkit.core.records import OptimizerRecord
 from zkit.core.stack import Stack, configure
 from zkit.core.stash import Stash
+from zkit.core.step_outcome import StepOutcomes
 from zkit.core.memory import memory_snapshot
 from zkit.core.monitor import NoMonitor
 
@@ -170,11 +171,10 @@ class Engine(torch.nn.Module):
         self.micro_steps = 0
         self.global_steps = 0
         self.global_samples = 0
-        self.skipped_steps = 0
+        #: applied or skipped, the gradient norm, skipped steps: read lazily (zkit.core.step_outcome)
+        self._outcomes = StepOutcomes()
         #: backward passes whose gradients wait for the optimizer step (a checkpoint cannot hold them)
         self.pending_micro_steps = 0
-        self._step_applied = False
-        self._grad_norm: float | None = None  # of the last step (record_step)
         self._no_sync = False
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary()
         #: the detached losses of this global batch's micro-steps (the step's non-finite check reads them)
@@ -298,10 +298,23 @@ class Engine(torch.nn.Module):
         return [g["lr"] for g in self.optimizer.param_groups]
 
     def get_global_grad_norm(self) -> float | None:
-        return self._grad_norm
+        """The last step's unscaled global gradient norm (None when it computed none); read from
+        the device only now."""
+        return self._outcomes.grad_norm
 
     def was_step_applied(self) -> bool:
-        return self._step_applied
+        """Whether the last step was applied; read from the device only now."""
+        return self._outcomes.applied
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for a non-finite loss or gradient (fp16 overflows included); steps that
+        decided on the device are read from it only now."""
+        return self._outcomes.skipped
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._outcomes.skipped = value
 
     @property
     def loss_scale(self) -> float:
@@ -421,15 +434,16 @@ class Engine(torch.nn.Module):
             log.info("optimizer step kernel: %s", self.partitioner.step_kernel())
         self._after_step()
 
-    def run_optimizer_step(self) -> bool:
+    def run_optimizer_step(self) -> bool | torch.Tensor:
         """Run the optimizer step now, through the ``zkit_optimizer_step`` hook; returns whether it
-        was applied (False when fp16 overflow skipped it). ``step()`` calls it at an accumulation
+        was applied (False when fp16 overflow skipped it; a 0-dim bool tensor when the step
+        decided on the device, see :meth:`was_step_applied`). ``step()`` calls it at an accumulation
         boundary; a ``zkit_train_batch`` implementation that drives its own micro-batches (a
         pipeline schedule) calls it where its schedule steps."""
         with self._phase("step"), phases.phase("optimizer.step"):
-            self._step_applied = bool(self.pm.hook.zkit_optimizer_step(engine=self))
+            self._outcomes.applied = self.pm.hook.zkit_optimizer_step(engine=self)
         self.pending_micro_steps = 0  # the batch's gradients are spent (or dropped, if skipped)
-        return self._step_applied
+        return self._outcomes.applied_unread
 
     def finish_global_batch(self, loss: torch.Tensor) -> None:
         """Account one global batch run by a ``zkit_train_batch`` implementation outside
@@ -450,13 +464,13 @@ class Engine(torch.nn.Module):
         ``state_dict()``, checkpoints and ``GatheredParameters`` wait on their own."""
         self.partitioner.wait_for_parameters()
 
-    def record_step(self, applied: bool, grad_norm: float | None = None) -> None:
+    def record_step(self, applied: bool | torch.Tensor, grad_norm: float | torch.Tensor | None = None) -> None:
         """Account an optimizer step's outcome, for the ``zkit_optimizer_step`` answer that ran it: a
         skipped step counts in ``skipped_steps``; ``grad_norm`` (unscaled; None when the step
-        computed none) is what :meth:`get_global_grad_norm` answers."""
-        if not applied:
-            self.skipped_steps += 1
-        self._grad_norm = grad_norm
+        computed none) is what :meth:`get_global_grad_norm` answers. A step that decided on the
+        device gives ``applied`` as a 0-dim bool tensor and the norm as a tensor: both are read
+        only when asked for (:mod:`zkit.core.step_outcome`)."""
+        self._outcomes.record(applied, grad_norm)
 
     def needs_grad_norm(self) -> bool:
         """Whether a step computes the global gradient norm: for fp16's overflow check, for

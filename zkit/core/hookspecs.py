@@ -333,9 +333,10 @@ def zkit_after_step(engine: Engine, losses: list[torch.Tensor]) -> None:
 
 
 @hookspec(firstresult=True)
-def zkit_optimizer_step(engine: Engine) -> bool | None:
+def zkit_optimizer_step(engine: Engine) -> bool | torch.Tensor | None:
     """Perform the optimizer step at a gradient-accumulation boundary and return whether the
-    step was applied (``False`` when skipped because of an fp16 overflow).
+    step was applied (``False`` when skipped because of an fp16 overflow; a 0-dim bool tensor
+    when the step decided on the device, read only by ``engine.was_step_applied()``).
 
     The built-in implementation (``trylast``) is :func:`zkit.train_loop.optimizer_step.apply_step`:
     global gradient norm and overflow check, loss-scale update, clipping, the partitioner's step,

@@ -173,9 +173,13 @@ class Partitioner(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def step(self, grad_factor: float) -> None:
-        """Multiply the gradients by ``grad_factor`` (unscale and clip at once), step the optimizer
-        on the master tensors and bring the model parameters up to date."""
+    def step(self, grad_factor: float | torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
+        """Multiply the gradients by ``grad_factor`` (unscale and clip at once; a float, or a 0-dim
+        tensor on the training device), step the optimizer on the master tensors and bring the
+        model parameters up to date. ``found_inf`` (a 0-dim fp32 tensor on the training device,
+        non-zero when the batch's loss or gradients were not finite): then leave parameters and
+        optimizer state unchanged instead, on the device where the optimizer can (torch's fused
+        kernels take it), else after reading it (:meth:`skip_step`)."""
 
     @abc.abstractmethod
     def zero_grad(self) -> None:

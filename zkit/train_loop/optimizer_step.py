@@ -1,7 +1,15 @@
 """The optimizer step proper, the built-in answer to ``zkit_optimizer_step``: the global gradient
 norm and the overflow check, the fp16 loss scale, clipping, the partitioner's step and the LR
 schedule; a batch whose loss or gradients are not finite is skipped, and too many in a row stop
-the job naming the cause (DeepSpeed's rules for fp16, ``nonfinite_steps_limit`` for the rest)."""
+the job naming the cause (DeepSpeed's rules for fp16, ``nonfinite_steps_limit`` for the rest).
+
+In bf16 and fp32 the step never waits for the device: the non-finite verdict and the clipping
+coefficient stay tensors, the partitioner skips on the device (torch's fused optimizers take
+``found_inf`` and ``grad_scale``), and the verdicts are read together every ``steps_per_print``
+steps, when the step line reads the loss anyway: then the skipped steps are warned about, and a
+run of more than ``nonfinite_steps_limit`` stops the job naming the step where it crossed the
+limit. The LR schedule advances on a skipped step, as with torch's ``GradScaler``. fp16 reads its
+verdict every step (the loss scale's update needs it on the host): one wait per step."""
 from __future__ import annotations
 
 import logging
@@ -19,16 +27,67 @@ log = logging.getLogger("zkit")
 
 #: consecutive steps skipped for a NaN or infinity (an fp16 overflow with a static scale included)
 NONFINITE_IN_A_ROW = StashKey[int]()
+#: (step, device flag: 1.0 when the step was skipped) of the steps not yet read
+UNREAD_VERDICTS = StashKey[list]()
 
 
-def apply_step(engine: "Engine") -> bool:
-    """Step the optimizer over this batch's gradients; False when the step was skipped."""
+def apply_step(engine: "Engine") -> bool | torch.Tensor:
+    """Step the optimizer over this batch's gradients; whether it was applied (a 0-dim bool
+    tensor where the step decided on the device)."""
     # The global norm costs a pass over the gradients and an all-reduce: only when fp16 needs
     # its overflow check, clipping needs the norm, or the user asked for it.
-    needs_norm = engine.needs_grad_norm()
-    norm = float(engine.pm.hook.zkit_grad_norm(engine=engine)) if needs_norm else 0.0
-    # Without a norm, the cheap check: the loss and the reduced gradients, on every rank.
-    overflow = not math.isfinite(norm) if needs_norm else nonfinite_on_any_rank(engine)
+    norm = engine.pm.hook.zkit_grad_norm(engine=engine) if engine.needs_grad_norm() else None
+    if engine.loss_scaler.enabled or (engine.world_size > 1 and not engine.partitioner.gradient_reduction):
+        return _step_on_host(engine, norm)
+    return _step_on_device(engine, norm)
+
+
+def _step_on_device(engine: "Engine", norm: torch.Tensor | float | None) -> torch.Tensor:
+    """bf16/fp32: nothing read on the host (see the module docstring)."""
+    if norm is not None:
+        norm = torch.as_tensor(norm, dtype=torch.float32, device=engine.device)
+        bad = torch.isfinite(norm).logical_not().to(torch.float32)
+    else:
+        bad = nonfinite_flag(engine)
+    factor: float | torch.Tensor = 1.0
+    clip = engine.config.gradient_clipping
+    if clip > 0:  # DeepSpeed's and torch's coefficient, applied where the norm exceeds the limit
+        factor = torch.where(norm > clip, clip / (norm + 1e-6), 1.0)
+    applied = bad == 0
+    engine.record_step(applied=applied, grad_norm=norm)
+    engine.partitioner.step(factor, found_inf=bad)
+    engine.partitioner.zero_grad()
+    if engine.lr_scheduler is not None:
+        engine.lr_scheduler.step()
+    verdicts = engine.stash.setdefault(UNREAD_VERDICTS, [])
+    verdicts.append((engine.global_steps + 1, bad))
+    if (engine.global_steps + 1) % engine.config.steps_per_print == 0:
+        read_verdicts(engine)
+    return applied
+
+
+def read_verdicts(engine: "Engine") -> None:
+    """Read the device's verdicts of the steps since the last read, in one wait: warn about each
+    skipped step and stop the job after ``nonfinite_steps_limit`` in a row, as if each had been
+    read at its own step."""
+    verdicts = engine.stash.get(UNREAD_VERDICTS, [])
+    if not verdicts:
+        return
+    flags = torch.stack([bad for _, bad in verdicts]).tolist()
+    engine.stash[UNREAD_VERDICTS] = []
+    for (step, _), bad in zip(verdicts, flags):
+        if bad:
+            _warn_or_stop(engine, step)
+        else:
+            engine.stash[NONFINITE_IN_A_ROW] = 0
+
+
+def _step_on_host(engine: "Engine", norm: torch.Tensor | float | None) -> bool:
+    """fp16 (the loss scale's update needs the verdict) and a step without gradient reduction
+    (a 1-bit optimizer's compressed or local step): the verdict is read on the host."""
+    read_verdicts(engine)
+    norm = float(norm) if norm is not None else None
+    overflow = not math.isfinite(norm) if norm is not None else nonfinite_on_any_rank(engine)
     scaler = engine.loss_scaler
     scale = scaler.scale  # the scale this batch's gradients carry (1.0 unless fp16)
     if scaler.enabled:
@@ -36,15 +95,15 @@ def apply_step(engine: "Engine") -> bool:
     if overflow:
         engine.record_step(applied=False)
         engine.partitioner.skip_step()
-        _warn_or_stop(engine)
+        _warn_or_stop(engine, engine.global_steps + 1)
         return False
     engine.stash[NONFINITE_IN_A_ROW] = 0
-    true_norm = norm / scale
     factor = 1.0 / scale
     clip = engine.config.gradient_clipping
-    if clip > 0 and true_norm > clip:
+    true_norm = norm / scale if norm is not None else None
+    if clip > 0 and true_norm is not None and true_norm > clip:
         factor *= clip / (true_norm + 1e-6)
-    engine.record_step(applied=True, grad_norm=true_norm if needs_norm else None)
+    engine.record_step(applied=True, grad_norm=true_norm)
     engine.partitioner.step(factor)
     engine.partitioner.zero_grad()
     if engine.lr_scheduler is not None:
@@ -52,40 +111,51 @@ def apply_step(engine: "Engine") -> bool:
     return True
 
 
-def nonfinite_on_any_rank(engine: "Engine") -> bool:
-    """Whether this batch's loss, or a gradient this rank steps after reduction, was NaN or
-    infinite on some rank. While gradients are reduced a 4-byte all-reduce beside them makes
-    every rank give the same answer, so all skip together (a NaN one rank's backward made
-    reaches only the rank owning that shard at stages 1-3). Without reduction (1-bit
-    optimizers' compressed or local steps, which exist to save collectives) a rank cannot know
-    the others': its own non-finite loss or gradient stops the job rather than letting the
-    replicas' steps differ."""
-    # one flag on the device and one read of it: each read waits for the device to drain
-    bad = torch.zeros(1, dtype=torch.float32, device=engine.device)
+def nonfinite_flag(engine: "Engine") -> torch.Tensor:
+    """1.0 (a 0-dim fp32 tensor on the training device, as torch's fused optimizers take it) when
+    this batch's loss, or a gradient some rank steps after reduction, was NaN or infinite, else
+    0.0; the same on every rank. While gradients are reduced a 4-byte all-reduce beside them
+    makes every rank give the same answer, so all skip together (a NaN one rank's backward made
+    reaches only the rank owning that shard at stages 1-3)."""
+    bad = _local_flag(engine)
+    if engine.world_size > 1 and engine.partitioner.gradient_reduction:
+        engine.comm.all_reduce(bad, "max")
+    return bad
+
+
+def _local_flag(engine: "Engine") -> torch.Tensor:
+    """This rank's part of :func:`nonfinite_flag`: 1.0 when its loss or gradients are bad."""
+    finite = None
     if engine.batch_losses:
         losses = torch.stack([loss.reshape(()) for loss in engine.batch_losses]).to(engine.device)
-        bad += torch.isfinite(losses).all().logical_not().to(torch.float32)
+        finite = torch.isfinite(losses).all()
     grads_finite = engine.partitioner.grads_finite()
     if grads_finite is not None:
-        bad += grads_finite.logical_not().to(device=engine.device, dtype=torch.float32)
-    if engine.world_size == 1:
-        return bool(bad.item() > 0)
-    if not engine.partitioner.gradient_reduction:
-        if bad.item() > 0:
+        grads_finite = grads_finite.to(engine.device)
+        finite = grads_finite if finite is None else finite.logical_and(grads_finite)
+    if finite is None:
+        return torch.zeros((), dtype=torch.float32, device=engine.device)
+    return finite.logical_not().to(torch.float32)
+
+
+def nonfinite_on_any_rank(engine: "Engine") -> bool:
+    """:func:`nonfinite_flag`, read on the host. Without reduction (1-bit optimizers' compressed
+    or local steps, which exist to save collectives) a rank cannot know the others': its own
+    non-finite loss or gradient stops the job rather than letting the replicas' steps differ."""
+    if engine.world_size > 1 and not engine.partitioner.gradient_reduction:
+        if _local_flag(engine).item() > 0:
             raise FloatingPointError(
                 f"step {engine.global_steps + 1}: the loss or the gradients on rank {engine.rank} are NaN or infinite "
                 f"while gradients are not reduced (a 1-bit optimizer's compressed or local step), so the ranks "
                 f"cannot skip it together; training stopped"
             )
         return False
-    engine.comm.all_reduce(bad, "sum")
-    return bool(bad.item() > 0)
+    return bool(nonfinite_flag(engine).item() > 0)
 
 
-def _warn_or_stop(engine: "Engine") -> None:
-    """Say why a step was skipped; stop after ``nonfinite_steps_limit`` in a row in bf16/fp32 and
+def _warn_or_stop(engine: "Engine", step: int) -> None:
+    """Say why ``step`` was skipped; stop after ``nonfinite_steps_limit`` in a row in bf16/fp32 and
     with a static fp16 loss scale (a dynamic one shrinks until ``min_loss_scale`` stops the job)."""
-    step = engine.global_steps + 1
     limit = engine.config.nonfinite_steps_limit
     scaler = engine.loss_scaler
     if scaler.enabled and scaler.dynamic:

@@ -21,6 +21,13 @@ from zkit.core.partitioner import PartitionContext
 from zkit.optim.fused_step import FusedStepOptimizer
 
 
+def takes_found_inf(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is torch's with a fused kernel, which takes ``grad_scale`` and
+    ``found_inf`` (as from ``GradScaler``) and so scales and skips on the device."""
+    return (type(optimizer) in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+            and bool(optimizer.defaults.get("fused")))
+
+
 def fuses(optimizer: Any) -> bool:
     """Whether ``optimizer`` runs the fused step (unscale x clip factor, update, copy-out)."""
     return isinstance(optimizer, FusedStepOptimizer) and optimizer.fuses
@@ -67,6 +74,8 @@ class InMemoryMasterStore:
         self.master_is_param = master_is_param
         #: the optimizer's step writes the 16-bit parameters itself (see :meth:`bind`)
         self.copy_out = False
+        #: where a step on the host reads the device's verdict and clipping factor (beside the master)
+        self.host_flag: torch.Tensor | None = None
 
     # -- the master ------------------------------------------------------------------------------
     def write_master(self, unit: int, values: torch.Tensor) -> None:
@@ -140,17 +149,29 @@ class InMemoryMasterStore:
             copy.wait()
         return [g for g, _ in moved]
 
-    def step(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]], grad_factor: float,
-             publish: Callable[[int, torch.Tensor], None]) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, owned: Sequence[tuple[Any, ...]],
+             grad_factor: float | torch.Tensor, publish: Callable[[int, torch.Tensor], None],
+             found_inf: torch.Tensor | None = None) -> bool:
         """Step on the master shards in place, then copy each unit's master into the parameters
         (unless they are the master, or the step wrote them). The masters are not reused, so the
         copies go out through the partitioner's ``publish_unit`` (no wait per unit) rather than
-        ``publish``."""
+        ``publish``. ``found_inf`` (see :meth:`zkit.core.partitioner.Partitioner.step`) goes to
+        a torch fused optimizer, which skips on the device; another optimizer reads it first.
+        Returns False when the step was skipped on the host (nothing was published)."""
         grads = self._master_grads()
         # An allocator that keeps optimizer state elsewhere (NVMe) runs the step around its swaps.
         stepper = self.owner.allocator.optimizer_stepper()
         fused = stepper is None and fuses(optimizer)
-        if grad_factor != 1.0 and not fused:
+        on_device = stepper is None and not fused and takes_found_inf(optimizer)
+        if found_inf is not None and not on_device:
+            if self._read_on_host(found_inf):
+                return False
+            found_inf = None
+        if not on_device and torch.is_tensor(grad_factor):
+            grad_factor = self._read_on_host(grad_factor)
+        # a tensor factor goes into the fused kernel; a number scales the gradients first
+        scaled_by_kernel = fused or torch.is_tensor(grad_factor)
+        if not scaled_by_kernel and grad_factor != 1.0:
             for g in grads:
                 g.mul_(grad_factor)
         for opt_param, u, a, b, _ in owned:
@@ -159,6 +180,14 @@ class InMemoryMasterStore:
             optimizer.fused_step(grad_factor=grad_factor)
         elif stepper is not None:
             stepper(optimizer)
+        elif on_device:  # torch's fused kernel divides by grad_scale and skips on found_inf
+            scale = grad_factor.reciprocal() if torch.is_tensor(grad_factor) else None
+            optimizer.grad_scale = scale  # type: ignore[attr-defined]
+            optimizer.found_inf = found_inf  # type: ignore[attr-defined]
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf  # type: ignore[attr-defined]
         else:
             optimizer.step()
         for opt_param, *_ in owned:
@@ -166,3 +195,12 @@ class InMemoryMasterStore:
         if not (self.copy_out or self.master_is_param):
             for unit, master in enumerate(self.master):
                 self.owner.publish_unit(unit, master)
+        return True
+
+    def _read_on_host(self, value: torch.Tensor) -> float:
+        """A device value the host step needs, read into :attr:`host_flag`'s memory (where the
+        master is on the host, after the wait for the gradients' copies)."""
+        if self.host_flag is None or self.host_flag.device != self.owner.master_device:
+            self.host_flag = torch.zeros((), dtype=torch.float32, device=self.owner.master_device)
+        self.host_flag.copy_(value)
+        return self.host_flag.item()

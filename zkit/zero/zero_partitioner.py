@@ -272,11 +272,20 @@ class ZeroPartitioner(Partitioner):
         finite = self.master_store.grads_finite()  # a host store may answer with a bool
         return finite if torch.is_tensor(finite) else torch.tensor(bool(finite), device="cpu")
 
-    def step(self, grad_factor: float) -> None:
+    def step(self, grad_factor: float | torch.Tensor, found_inf: torch.Tensor | None = None) -> None:
         self.wait_for_parameters()  # the in-place all-gathers read the shard the step writes
         self.allocator.copies.synchronize()  # copies in flight may still read host buffers the step writes
-        # updates the masters and copies each into this rank's shard of the parameters
-        self.master_store.step(self.optimizer, self.owned, grad_factor, self.publish_from_buffer)
+        store = self.master_store
+        if isinstance(store, InMemoryMasterStore):
+            # skips on the device where the optimizer can; unchanged masters publish unchanged
+            # parameters, so the gathers below need no verdict either
+            if not store.step(self.optimizer, self.owned, grad_factor, self.publish_from_buffer, found_inf):
+                return
+        else:  # a store kept elsewhere steps on the host: it needs the verdict and factor there
+            if found_inf is not None and found_inf.item():
+                self.skip_step()
+                return
+            store.step(self.optimizer, self.owned, float(grad_factor), self.publish_from_buffer)
         self._gather_params()
 
     def skip_step(self) -> None:

@@ -112,7 +112,9 @@ class ZkitConfig:
         check=at_least(0),
         doc="Consecutive bf16/fp32 steps with a non-finite loss, gradient or gradient norm, or fp16 steps that "
         "overflow with a static loss scale (each skipped with a warning), before the job stops with an error; 0 "
-        "stops at the first (zkit). A dynamic fp16 loss scale stops at fp16.min_loss_scale instead.",
+        "stops at the first (zkit). A dynamic fp16 loss scale stops at fp16.min_loss_scale instead. bf16/fp32 "
+        "verdicts stay on the device and are read every steps_per_print steps: the warnings and the stop (naming "
+        "the step that crossed the limit) come then.",
     )
     comms_timeout_s: float = setting(
         300.0,

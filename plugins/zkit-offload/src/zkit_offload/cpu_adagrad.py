@@ -10,7 +10,7 @@ from typing import Any, Iterable
 import torch
 
 from zkit_offload import kernels
-from zkit_offload.cpu_optimizer import FusedCPUOptimizer, as_numpy, f32, launch
+from zkit_offload.cpu_optimizer import FusedCPUOptimizer, f32, launch
 
 
 class CPUAdagrad(FusedCPUOptimizer):
@@ -44,10 +44,10 @@ class CPUAdagrad(FusedCPUOptimizer):
                                        memory_format=torch.contiguous_format)
 
     def _update(self, group, p, state, out, out_kind, grad_factor) -> None:
-        step = float(state["step"])
+        step = self.step_count(state)
         clr = float(group["lr"]) / (1.0 + (step - 1.0) * float(group["lr_decay"]))
         launch(
             kernels.adagrad_update,
-            as_numpy(p), as_numpy(p.grad), as_numpy(state["sum"]), out, out_kind,
+            self.array(p), self.grad_array(p), self.array(state["sum"]), out, out_kind,
             f32(clr), f32(group["eps"]), f32(group["weight_decay"]), grad_factor,
         )

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from zkit_offload import kernels
-from zkit_offload.cpu_optimizer import FusedCPUOptimizer, as_numpy, f32, launch
+from zkit_offload.cpu_optimizer import FusedCPUOptimizer, f32, launch
 
 BACKENDS = ("auto", "numba", "torch")
 #: The backend ``"auto"`` uses for a plain fp32 step (see the module docstring).
@@ -88,7 +88,7 @@ class CPUAdam(FusedCPUOptimizer):
         beta1, beta2 = group["betas"]
         wd = float(group["weight_decay"])
         decoupled = bool(group.get("decoupled_weight_decay", False))
-        step = float(state["step"])
+        step = self.step_count(state)
         if group.get("bias_correction", True):
             bias1, bias2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
         else:
@@ -96,13 +96,13 @@ class CPUAdam(FusedCPUOptimizer):
         if self._torch_plain(out_kind, grad_factor, group):
             fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
             self.last_kernel = f"torch.{fused.__name__} (a plain fp32 step: nothing to fuse)"
-            fused([p.detach()], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+            fused([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
                   lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
                   maximize=False)
             return
         launch(
             kernels.adam_update,
-            as_numpy(p), as_numpy(p.grad), as_numpy(state["exp_avg"]), as_numpy(state["exp_avg_sq"]), out, out_kind,
+            self.array(p), self.grad_array(p), self.array(state["exp_avg"]), self.array(state["exp_avg_sq"]), out, out_kind,
             f32(lr), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(group["eps"]),
             f32(0.0 if decoupled else wd), f32(1.0 - lr * wd if decoupled else 1.0),
             f32(bias1), f32(bias2_sqrt), grad_factor,

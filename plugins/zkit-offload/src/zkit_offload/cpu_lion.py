@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from zkit_offload import kernels
-from zkit_offload.cpu_optimizer import FusedCPUOptimizer, as_numpy, f32, launch
+from zkit_offload.cpu_optimizer import FusedCPUOptimizer, f32, launch
 
 
 class CPULion(FusedCPUOptimizer):
@@ -37,6 +37,6 @@ class CPULion(FusedCPUOptimizer):
         beta1, beta2 = group["betas"]
         launch(
             kernels.lion_update,
-            as_numpy(p), as_numpy(p.grad), as_numpy(state["exp_avg"]), out, out_kind,
+            self.array(p), self.grad_array(p), self.array(state["exp_avg"]), out, out_kind,
             f32(lr), f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(1.0 - lr * float(group["weight_decay"])), grad_factor,
         )

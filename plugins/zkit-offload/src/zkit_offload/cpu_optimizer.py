@@ -18,6 +18,7 @@ Subclasses define ``_state_names`` (``state_dict`` keys, torch's where torch has
 """
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable
 
 import numpy as np
@@ -75,6 +76,10 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
         self.last_step_applied = True
         #: What the last step ran (zkit.optim.fused_step.FusedStepOptimizer; the engine logs it).
         self.last_kernel = "no step yet"
+        #: id(tensor) -> (weak reference, data pointer, numpy view): see :meth:`array`
+        self._arrays: dict[int, tuple[Any, int, np.ndarray]] = {}
+        #: during a step, id(buffer) -> (buffer, numpy view) of the buffers gradients are slices of
+        self._grad_bases: dict[int, tuple[torch.Tensor, np.ndarray]] = {}
         for group in self.param_groups:
             self._check_group(group)
             for p in group["params"]:
@@ -128,11 +133,40 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
         parameter with a gradient, in one read-only pass (fp64 accumulation)."""
         return self._stats(list(self._with_grads()), f32(grad_factor))
 
-    @staticmethod
-    def _stats(todo: list[tuple[torch.Tensor, dict[str, Any]]], factor: np.float32) -> tuple[float, int]:
+    # -- numpy views: host tensors read without torch ops per parameter and step ----------------
+    def array(self, t: torch.Tensor) -> np.ndarray:
+        """A flat numpy view of ``t``, a tensor that lives across steps (a parameter, a state
+        tensor, a copy-out target), made once per tensor and memory: :func:`as_numpy` is three
+        torch ops, for every parameter at every step otherwise."""
+        key, ptr = id(t), t.data_ptr()
+        entry = self._arrays.get(key)
+        if entry is None or entry[0]() is not t or entry[1] != ptr:
+            # forgotten with the tensor (a state tensor a checkpoint load replaced)
+            ref = weakref.ref(t, lambda _, key=key, arrays=self._arrays: arrays.pop(key, None))
+            entry = self._arrays[key] = (ref, ptr, as_numpy(t))
+        return entry[2]
+
+    def grad_array(self, p: torch.Tensor) -> np.ndarray:
+        """``p.grad`` as a flat numpy view, through the buffer it is a slice of (a ZeRO stage's
+        gradient shard): one view per buffer and step rather than one per parameter."""
+        g = p.grad
+        base = g._base if g._base is not None else g
+        if base.dtype != g.dtype or base.requires_grad or not (base.is_contiguous() and g.is_contiguous()):
+            return as_numpy(g)
+        entry = self._grad_bases.get(id(base))
+        if entry is None:
+            entry = self._grad_bases[id(base)] = (base, base.numpy().reshape(-1))
+        start = g.storage_offset() - base.storage_offset()
+        return entry[1][start : start + g.numel()]
+
+    def step_count(self, state: dict[str, Any]) -> float:
+        """The parameter's step count, read on the host from its state tensor's memory."""
+        return float(self.array(state["step"])[0])
+
+    def _stats(self, todo: list[tuple[torch.Tensor, dict[str, Any]]], factor: np.float32) -> tuple[float, int]:
         sumsq, bad = 0.0, 0
         for p, _group in todo:
-            g = as_numpy(p.grad)
+            g = self.grad_array(p)
             s, b = launch(kernels.grad_stats, g, g.view(np.uint32), factor)
             sumsq += s
             bad += b
@@ -145,6 +179,12 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
         ``check_overflow`` the gradients are checked first and, if any element is inf or nan,
         nothing is changed and ``False`` is returned. Returns whether the step was applied.
         ``params`` restricts the step to some parameters (one NVMe sub-group at a time)."""
+        try:
+            return self._fused_step(grad_factor, check_overflow, params)
+        finally:
+            self._grad_bases = {}  # the gradients' buffers are the step's
+
+    def _fused_step(self, grad_factor: float, check_overflow: bool, params: Iterable[torch.Tensor] | None) -> bool:
         todo = list(self._with_grads())
         if params is not None:
             wanted = {id(p) for p in params}
@@ -163,14 +203,14 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
             if not state:
                 self._init_state(group, p, state)
             self._prepare_state(p, state)
-            state["step"] += 1
+            self.array(state["step"])[0] += 1  # in the tensor's memory, without a torch op
             target = self._copy_out.get(id(p))
             out_kind = _OUT_KIND[target.dtype] if target is not None else kernels.OUT_NONE
             if out_kind == kernels.OUT_FP16 and not kernels.HARDWARE_HALF:
                 self._update(group, p, state, _NO_OUT, kernels.OUT_NONE, factor)
                 target.view(-1).copy_(p.detach().view(-1))
                 continue
-            self._update(group, p, state, as_numpy(target) if target is not None else _NO_OUT, out_kind, factor)
+            self._update(group, p, state, self.array(target) if target is not None else _NO_OUT, out_kind, factor)
         self.last_step_applied = True
         return True
 

@@ -1,0 +1,97 @@
+"""What a training step costs the host (:mod:`zkit.step_counts`, ``contrib/bench/bench_host.py``):
+the ops one steady-state step dispatches (about one kernel launch each on a GPU) and the
+host-device syncs among them. Counts are deterministic, so they are pinned here: a change that
+adds ops or a sync to the step fails a test naming the contestant."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import zkit
+from zkit.step_counts import count_step, storages_of
+from zkit.testing import run_ranks
+
+from tests.host_cost_ranks import BENCH, count_contestants
+
+ZKIT = ["zkit-0", "zkit-1", "zkit-2", "zkit-3", "zkit-2-offload", "zkit-3-offload"]
+#: ops of one step of bench_host.py's model at 2 layers, world size 1, rank 0 (plain PyTorch, then
+#: zkit's stages 0-2 and both offloads; stage 3's are pinned with its gathers)
+PINNED_OPS = {
+    "bf16": {"torch": 290, "zkit-0": 351, "zkit-1": 353, "zkit-2": 385, "zkit-2-offload": 381},
+    "fp32": {"torch": 241, "zkit-0": 347, "zkit-1": 349, "zkit-2": 381, "zkit-2-offload": 407},
+}
+
+
+def test_the_counter_tells_ops_syncs_host_reads_and_their_tensors_apart():
+    device_side, host_side = torch.ones(3), torch.zeros(2)
+    counts, total = count_step(lambda: float(device_side.sum()) + float(host_side[0]) + float(host_side[1]),
+                               host_resident=storages_of(lambda: [host_side]))
+    assert total == 3.0
+    assert counts.syncs == 1 and counts.syncs_by_op == {"aten::_local_scalar_dense": 1}
+    assert counts.host_reads == 2  # views of host_side share its memory
+    assert counts.collectives == 0 and counts.ops == sum(counts.by_op.values())
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp32"])
+def test_zkit_steps_wait_for_nothing_and_dispatch_the_pinned_ops(dtype):
+    (counts,) = run_ranks(count_contestants, 1, args=(["torch", *ZKIT], dtype, 2), timeout=600)
+    assert {name: c["syncs"] for name, c in counts.items()} == {name: 0 for name in counts}
+    # offload: the host optimizer reads the step's verdict once, in host memory, after the wait
+    # for its gradients; its own state (the step counts) through numpy, not tensors
+    assert {name: c["host_reads"] for name, c in counts.items()} == {
+        name: int(name.endswith("-offload")) for name in counts}
+    assert {name: counts[name]["ops"] for name in PINNED_OPS[dtype]} == PINNED_OPS[dtype]
+
+
+def test_two_ranks_wait_for_nothing_and_reduce_once_per_unit():
+    results = run_ranks(count_contestants, 2, args=(ZKIT, "bf16", 2), timeout=600)
+    for counts in results:
+        assert {name: c["syncs"] for name, c in counts.items()} == {name: 0 for name in counts}
+        # the non-finite verdict's all-reduce beside the gradients' reductions (one per unit)
+        assert counts["zkit-0"]["collectives"] == 2 and counts["zkit-2"]["collectives"] == 5
+
+
+def _engine(**extra):
+    sys.path.insert(0, BENCH)
+    from bench_gpu_model import PlainGPT, Shape
+
+    torch.manual_seed(0)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+           "steps_per_print": 1000, **extra}
+    engine, *_ = zkit.initialize(model=PlainGPT(Shape(layers=2, width=32, heads=2, vocab=64, seq=16)), config=cfg)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        engine.backward(engine(ids, ids))
+        engine.step()
+
+    return engine, step
+
+
+@pytest.mark.parametrize("extra,syncs", [
+    ({"gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}, 0),
+    ({"gradient_clipping": 1.0, "bf16": {"enabled": True}}, 0),
+    ({"fp16": {"enabled": True, "loss_scale": 0}}, 1),
+], ids=["clipping-stage-2", "clipping-bf16", "fp16-dynamic-scale"])
+def test_clipping_stays_on_the_device_and_fp16_reads_its_verdict_once(extra, syncs):
+    engine, step = _engine(**extra)
+    for _ in range(3):
+        step()
+    counts, _ = count_step(step)
+    assert counts.syncs == syncs, counts.syncs_by_op
+    assert engine.was_step_applied() and engine.get_global_grad_norm() > 0 and engine.skipped_steps == 0
+    engine.close()
+
+
+def test_bench_host_smoke_run_prints_its_table(tmp_path):
+    sys.path.insert(0, BENCH)
+    import bench_host
+
+    assert bench_host.main(["--smoke", "--contestants", "torch,zkit-2", "--worlds", "1", "--dtypes", "bf16",
+                            "--out", str(tmp_path)]) == 0
+    table = (tmp_path / "bench_host.md").read_text()
+    assert "| zkit stage 2 |" in table and "bf16, world size 1" in table
+    assert os.path.exists(tmp_path / "bench_host.json")
