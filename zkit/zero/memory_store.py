@@ -53,6 +53,11 @@ class MasterOwner(Protocol):
     def publish_unit(self, unit: int, master: torch.Tensor) -> None:
         """Copy ``unit``'s updated master into the parameters, without waiting for the copy."""
 
+    @property
+    def keeps_grad_buffers(self) -> bool:
+        """Whether :meth:`reduced_grad_shards` gives the same tensors every step (their memory
+        comes and goes between steps), so views of them may be kept."""
+
 
 class InMemoryMasterStore:
     """The master shards ``master`` (one tensor per unit) of ``owner``, in memory.
@@ -76,6 +81,8 @@ class InMemoryMasterStore:
         self.copy_out = False
         #: where a step on the host reads the device's verdict and clipping factor (beside the master)
         self.host_flag: torch.Tensor | None = None
+        #: (the unit gradients, each owned piece's view of them), kept while they are the same tensors
+        self._grad_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
 
     # -- the master ------------------------------------------------------------------------------
     def write_master(self, unit: int, values: torch.Tensor) -> None:
@@ -174,8 +181,8 @@ class InMemoryMasterStore:
         if not scaled_by_kernel and grad_factor != 1.0:
             for g in grads:
                 g.mul_(grad_factor)
-        for opt_param, u, a, b, _ in owned:
-            opt_param.grad = grads[u][a:b]
+        for (opt_param, *_), grad in zip(owned, self._piece_grads(owned, grads)):
+            opt_param.grad = grad
         if fused:  # one pass: unscale x clip factor, update, 16-bit copy-out
             optimizer.fused_step(grad_factor=grad_factor)
         elif stepper is not None:
@@ -196,6 +203,18 @@ class InMemoryMasterStore:
             for unit, master in enumerate(self.master):
                 self.owner.publish_unit(unit, master)
         return True
+
+    def _piece_grads(self, owned: Sequence[tuple[Any, ...]], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Each owned piece's gradient, a view of its unit's: made once where the partitioner
+        keeps its gradient buffers and the master is the parameters (the gradients stepped are
+        those buffers), else at every step."""
+        if self._grad_views is not None and len(grads) == len(self._grad_views[0]) and all(
+                g is h for g, h in zip(grads, self._grad_views[0])):
+            return self._grad_views[1]
+        views = [grads[u][a:b] for _, u, a, b, _ in owned]
+        if self.master_is_param and self.owner.keeps_grad_buffers:
+            self._grad_views = (list(grads), views)
+        return views
 
     def _read_on_host(self, value: torch.Tensor) -> float:
         """A device value the host step needs, read into :attr:`host_flag`'s memory (where the

@@ -17,9 +17,19 @@ from zkit.zero.full_grads import FullGradientPartitioner
 class Stage1(FullGradientPartitioner):
     stage = 1
 
+    def _init_grads(self) -> None:
+        self._own_slices: list[torch.Tensor] = []
+        self._own_slices_of: list[torch.Tensor] | None = None
+        super()._init_grads()
+
     def _own_slice(self, unit: int) -> torch.Tensor:
-        lo, hi = self.units[unit].shard_range(self.rank)
-        return self._ensure_grad_bufs()[unit][lo:hi]
+        """This rank's slice of the unit's gradient buffer: the same tensor every step, as the
+        buffer is (so the step's views of it are made once)."""
+        bufs = self._ensure_grad_bufs()
+        if self._own_slices_of is not bufs:  # the buffers were made (again)
+            self._own_slices = [buf[slice(*u.shard_range(self.rank))] for u, buf in zip(self.units, bufs)]
+            self._own_slices_of = bufs
+        return self._own_slices[unit]
 
     def _launch(self, unit: int):
         src = self._comm_buffer(unit)

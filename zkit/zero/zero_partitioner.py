@@ -242,6 +242,12 @@ class ZeroPartitioner(Partitioner):
         raise NotImplementedError
 
     @property
+    def keeps_grad_buffers(self) -> bool:
+        """Whether :meth:`reduced_grad_shards` gives the same tensors every step (see
+        :class:`zkit.zero.memory_store.MasterOwner`); stages 2-3 make their shards per batch."""
+        return False
+
+    @property
     def shows_reduced_grads(self) -> bool:
         """Whether :meth:`reduced_grads` can show the gradients: not where the master store takes
         them (:class:`zkit.core.partitioner.ReducedGradients`)."""

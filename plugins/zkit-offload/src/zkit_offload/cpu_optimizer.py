@@ -140,7 +140,7 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
         torch ops, for every parameter at every step otherwise."""
         key, ptr = id(t), t.data_ptr()
         entry = self._arrays.get(key)
-        if entry is None or entry[0]() is not t or entry[1] != ptr:
+        if entry is None or entry[0]() is not t or entry[1] != ptr or entry[2].size != t.numel():
             # forgotten with the tensor (a state tensor a checkpoint load replaced)
             ref = weakref.ref(t, lambda _, key=key, arrays=self._arrays: arrays.pop(key, None))
             entry = self._arrays[key] = (ref, ptr, as_numpy(t))
