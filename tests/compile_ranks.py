@@ -61,3 +61,59 @@ def probe_and_compile() -> dict:
         out["graphs"] = backend.graphs
         engine.close()
     return out
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.up, self.down = torch.nn.Linear(8, 16), torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class _Blocks(torch.nn.Module):
+    """Three blocks in a ModuleList between an input and an output layer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.out = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+
+def stage3_regions(persistence: int) -> dict:
+    """Stage 3 per block, eager and under engine.compile (aot_eager): losses, graphs compiled after
+    the second step and after the last, and the graph breaks."""
+    from torch._dynamo.utils import counters
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence}}
+    data = torch.randn(5, world, 2, 4, generator=torch.Generator().manual_seed(3))
+    out = {}
+    for how in ("eager", "engine.compile"):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        engine, *_ = zkit.initialize(model=_Blocks(), config=cfg)
+        backend = CountingBackend()
+        if how == "engine.compile":
+            engine.compile(backend=backend)
+        losses, graphs = [], []
+        for step in range(len(data)):
+            loss = engine(data[step, rank]).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            graphs.append(backend.graphs)
+        out[how] = {"losses": losses, "graphs": graphs, "compiled": engine.is_compiled,
+                    "breaks": sum(counters["graph_break"].values())}
+        engine.close()
+    return out

@@ -10,12 +10,15 @@ Two ways in, as DeepSpeed and FSDP2 users write them:
   context, i.e. the same backend and options.
 
 Either way only the module's forward is compiled; the engine's own steps (hooks, reductions, the
-optimizer step) stay eager. A partitioner whose record gives a ``compile_refusal`` is refused with
-that reason (:func:`refuse_partitioner`): zkit.zero's stage 3, whose released parameters are
-placeholders that become their gathered values inside the forward, so that Dynamo, which guards
-each compiled forward on the parameters' shapes and strides as it found them, compiled the forward
-again at every step (the losses were the eager run's; after its recompile limit Dynamo runs the
-forward uncompiled).
+optimizer step) stay eager. A partitioner that names regions
+(:meth:`~zkit.core.partitioner.Partitioner.compile_regions`) has ``engine.compile`` compile each
+region's forward instead (regional compilation), the module hooks around each region left eager:
+zkit.zero's stage 3 gathers a block before its compiled forward and releases it after, outside the
+compiled code (compiled whole, its released parameters, placeholders that become their gathered
+values inside the forward, made Dynamo, which guards each compiled forward on the parameters'
+shapes and strides as it found them, compile the forward again at every step). Otherwise a
+partitioner whose record gives a ``compile_refusal`` is refused with that reason
+(:func:`refuse_partitioner`), as stage 3 is for a model handed to ``initialize`` compiled.
 
 The engine's FLOP probe measures the first training micro-step under ``FlopCounterMode``, a
 dispatch mode Dynamo refuses to trace; a frame Dynamo refused once is never compiled again. So the
@@ -73,10 +76,14 @@ def compile_in_place(module: torch.nn.Module, partitioner: PartitionerRecord, co
 
 def compile_module(module: torch.nn.Module, partitioner: PartitionerRecord, backend: Any,
                    compile_kwargs: dict[str, Any] | None, schedule: Any = None,
-                   compiled_autograd_enabled: bool = False) -> None:
+                   compiled_autograd_enabled: bool = False,
+                   regions: list[torch.nn.Module] | None = None) -> None:
     """``engine.compile``'s work: check the partitioner and DeepSpeed's arguments zkit does not
-    implement, then ``module.compile(backend=backend, **compile_kwargs)``."""
-    refuse_partitioner(partitioner)
+    implement, then ``module.compile(backend=backend, **compile_kwargs)``; with ``regions`` (the
+    partitioner's :meth:`~zkit.core.partitioner.Partitioner.compile_regions`) the forward of each
+    region instead, its module hooks (the partitioner's gathers and releases) outside."""
+    if regions is None:
+        refuse_partitioner(partitioner)
     if schedule is not None:
         raise ValueError(_DEEPCOMPILE)
     if compiled_autograd_enabled:
@@ -84,8 +91,17 @@ def compile_module(module: torch.nn.Module, partitioner: PartitionerRecord, back
     kwargs = dict(compile_kwargs or {})
     if kwargs.pop("backend", backend) != backend:  # DeepSpeed's rule: the argument wins, with a warning
         log.warning("engine.compile: the backend in compile_kwargs is overridden by backend=%r", backend)
-    module.compile(backend=backend, **kwargs)
-    module._compiled_call_impl = _floats_specialized(module._compiled_call_impl)
+    if regions is None:
+        module.compile(backend=backend, **kwargs)
+        module._compiled_call_impl = _floats_specialized(module._compiled_call_impl)
+        return
+    compiled = []
+    for region in regions:
+        # the forward alone: Module.__call__ runs the hooks eagerly around it
+        fast = _floats_specialized(torch.compile(region.forward, backend=backend, **kwargs))
+        compiled.append((region, region.forward, fast))
+        region.forward = fast
+    module._zkit_compiled_regions = compiled
 
 
 def _floats_specialized(compiled: Any) -> Any:
@@ -105,19 +121,24 @@ def _floats_specialized(compiled: Any) -> Any:
 
 
 def is_compiled(module: torch.nn.Module) -> bool:
-    """Whether ``module``'s calls go through ``torch.compile``."""
-    return getattr(module, "_compiled_call_impl", None) is not None
+    """Whether ``module``'s calls go through ``torch.compile`` (whole, or region by region)."""
+    return getattr(module, "_compiled_call_impl", None) is not None or bool(getattr(module, "_zkit_compiled_regions", ()))
 
 
 @contextlib.contextmanager
 def eager(module: torch.nn.Module) -> Iterator[None]:
     """Calls of ``module`` inside run uncompiled (see the module docstring: the FLOP probe)."""
     compiled = getattr(module, "_compiled_call_impl", None)
-    if compiled is None:
+    regions = getattr(module, "_zkit_compiled_regions", ())
+    if compiled is None and not regions:
         yield
         return
     module._compiled_call_impl = None
+    for region, original, _ in regions:
+        region.forward = original
     try:
         yield
     finally:
         module._compiled_call_impl = compiled
+        for region, _, fast in regions:
+            region.forward = fast

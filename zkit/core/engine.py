@@ -349,7 +349,7 @@ class Engine(torch.nn.Module):
         self._require_open("compile")
         if not self.is_compiled:
             compile_module(self.module, self.records["partitioner"], backend, compile_kwargs, schedule,
-                           compiled_autograd_enabled)
+                           compiled_autograd_enabled, self.partitioner.compile_regions())
 
     @property
     def is_compiled(self) -> bool:

@@ -213,6 +213,12 @@ class Partitioner(abc.ABC):
         """Bytes of model states this rank holds, by kind (params, grads, master, optim_state)."""
         return {p: s["live"] for p, s in self.allocator.stats().items()}
 
+    def compile_regions(self) -> list[torch.nn.Module] | None:
+        """The submodules ``engine.compile()`` compiles one by one (regional compilation), with what
+        this partitioner does around them left outside the compiled code; ``None`` (the default):
+        the whole module's forward is compiled, or the record's ``compile_refusal`` raised."""
+        return None
+
     def gathered(self, params: list[torch.nn.Parameter]) -> contextlib.AbstractContextManager:
         """A context in which ``params`` hold their whole values; every rank enters it (a
         partitioner that keeps parameters partitioned gathers them). Default: nothing to do."""

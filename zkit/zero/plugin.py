@@ -12,12 +12,16 @@ from zkit.zero.init_adopt import adopt_init_model
 from zkit.zero.stage3 import Stage3
 
 
-#: why stage 3 cannot train a torch.compile-d module (zkit.core.compile): Dynamo guards a compiled
-#: forward on the parameters as it found them, and stage 3 swaps placeholders for gathered values
+#: why stage 3 cannot train a module torch.compile-d whole (zkit.core.compile): Dynamo guards a
+#: compiled forward on the parameters as it found them, and stage 3 swaps placeholders for gathered
+#: values inside it. engine.compile() compiles stage 3 block by block instead (Stage3.compile_regions).
 STAGE3_COMPILE_REFUSAL = (
-    "torch.compile with ZeRO stage 3 is not supported: stage 3 turns each released parameter from a "
-    "placeholder into its gathered values inside forward, and Dynamo compiles the forward again at every step; "
-    "compile at ZeRO stages 0-2, or train stage 3 without torch.compile"
+    "torch.compile of a whole model with ZeRO stage 3 is not supported: stage 3 turns each released parameter "
+    "from a placeholder into its gathered values inside forward, and Dynamo would compile the forward again at "
+    "every step. engine.compile() compiles stage 3 block by block, gathering each block outside its compiled "
+    "forward: call it after initialize (not initialize(model=torch.compile(model))), with "
+    "zero_optimization.stage3_gather_unit \"block\" (the default, but not with offload_param, whose units are "
+    "per module) and a model whose layers are the children of a ModuleList or Sequential"
 )
 
 #: stage, class, extra names, what it partitions

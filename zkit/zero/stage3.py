@@ -346,11 +346,42 @@ class Stage3(Stage2):
         for h in handles:
             h.wait()
 
+    # -- torch.compile ---------------------------------------------------------------------------
+    def compile_regions(self) -> list[torch.nn.Module] | None:
+        """Per block: the blocks, each gathered by a forward pre-hook before its compiled forward
+        runs and released by its forward hook after (both eager, outside the compiled code), so the
+        compiled code always sees gathered parameters of the same shapes and strides. Per module
+        (``stage3_gather_unit: "module"``, the default with ``offload_param``) or with no block:
+        ``None`` (refused)."""
+        if zero_config(self.ctx.config).stage3_gather_unit != "block":
+            return None
+        named = dict(self.module.named_modules())
+        units: dict[str, list[ShardedUnit]] = {}
+        for name, su in zip(self.unit_modules, self.sharded):
+            if name:  # the root's unit is gathered on use, outside the regions
+                units.setdefault(name, []).append(su)
+        if not units:
+            return None
+        for name, block_units in units.items():
+            self._hooks_fwd.append(named[name].register_forward_pre_hook(_gather_before(block_units)))
+        return [named[name] for name in units]
+
     def close(self) -> None:
         super().close()
         for h in self._hooks_fwd:
             h.remove()
         self._hooks_fwd = []
+
+
+def _gather_before(units: list[ShardedUnit]):
+    def hook(module, args):
+        if ACTIVE.fetch is None:
+            return
+        for su in units:
+            if su.full is None or su.handle is not None:
+                ACTIVE.fetch(su)  # the partitioner's gather: the trace, the prefetch
+
+    return hook
 
 
 def _regrouped(unit: Unit, params: list[torch.nn.Parameter], comm, allocator, rank: int, module_name: str,
