@@ -191,3 +191,17 @@ def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
         assert message.startswith("saving checkpoint 't' failed; rank 1: ")
         assert "/.t.partial/rank_00001.pt: no space left on device" in message
     assert not (tmp_path / "t").exists() and not (tmp_path / "latest").exists()
+
+
+def test_checkpoint_files_get_the_mode_open_would_give_them(tmp_path):
+    """Files are written through mkstemp, which makes them owner-only: a checkpoint shared with a
+    group (or read by a job running as another user) would be unreadable."""
+    import os
+
+    umask = os.umask(0o022)
+    os.umask(umask)
+    _saved(tmp_path)
+    written = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert written
+    for path in written:
+        assert path.stat().st_mode & 0o777 == 0o666 & ~umask, path

@@ -25,6 +25,11 @@ def rank_file(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+# the process's umask, read once (reading it means setting it)
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary in the same directory and a rename."""
     _atomic(path, lambda f: f.write(data), (OSError,))
@@ -44,6 +49,8 @@ def _atomic(path: Path, write: Callable[[Any], Any], failures: tuple[type[BaseEx
         raise fs_error(path, "writing the checkpoint", exc) from exc
     try:
         try:
+            # mkstemp creates the file owner-only; a checkpoint gets the mode open() would give it
+            os.fchmod(fd, 0o666 & ~_UMASK)
             with os.fdopen(fd, "wb") as f:  # a Python file: a failed write raises OSError with its errno
                 write(f)
                 f.flush()
