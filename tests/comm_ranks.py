@@ -78,7 +78,9 @@ def _engine_runs(flat: str | None, steps: int) -> dict:
     persistent = []
     for name, stage, zero in (("stage2", 2, {}), ("stage2_overlap", 2, {"overlap_param_gather": True}),
                               ("stage3", 3, {"stage3_param_persistence_threshold": 20,  # the LayerNorm stays gathered
-                                             "stage3_prefetch_bucket_size": 100})):
+                                             "stage3_prefetch_bucket_size": 100,
+                                             # one unit a module: several units to prefetch and one persistent
+                                             "stage3_gather_unit": "module"})):
         cfg = er.config(stage, "fp32", 1, world)
         cfg["zero_optimization"].update(zero)
         engine, *_ = zkit.initialize(model=er.make_model(), config=cfg, stack=zkit.Stack(communicator=record))
