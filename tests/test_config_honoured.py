@@ -201,7 +201,9 @@ def test_stage3_model_persistence_threshold_caps_the_persistent_units():
     within_both_thresholds()
     for cap, expected in ((10**9, [True, True, True]), (60, [True, True, False])):
         cfg = er.config(3, "fp32", 1, 1)
-        cfg["zero_optimization"].update(stage3_param_persistence_threshold=100, stage3_model_persistence_threshold=cap)
+        # one unit a module, so that the three parameters are three units to choose among
+        cfg["zero_optimization"].update(stage3_param_persistence_threshold=100, stage3_model_persistence_threshold=cap,
+                                        stage3_gather_unit="module")
         engine = zkit.initialize(model=er.make_model(), config=cfg)[0]
         assert sorted(su.unit.numel for su in engine.partitioner.sharded) == [12, 42, 78]
         by_size = {su.unit.numel: su.persistent for su in engine.partitioner.sharded}

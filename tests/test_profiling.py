@@ -11,6 +11,7 @@ import engine_ranks as er
 def _stage3_engine():
     cfg = er.config(3, "fp32", 1, 1)
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0  # every unit gathered and released
+    cfg["zero_optimization"]["stage3_gather_unit"] = "module"  # a unit, and a trace range, a module
     return zkit.initialize(model=er.make_model(), config=cfg)[0]
 
 

@@ -30,7 +30,7 @@ class _Filler:
     def __init__(self, piece: "Piece", with_state: bool, copy: Copy) -> None:
         self.piece = piece
         # on the host: a load stages as much as the rank's share of the checkpoint
-        self.master = torch.empty(piece.end - piece.start, dtype=piece.master.dtype)
+        self.master = torch.empty(piece.end - piece.start, dtype=piece.master.dtype, device="cpu")
         self.covered = 0
         self.with_state = with_state
         self.state: dict[str, Any] = {}

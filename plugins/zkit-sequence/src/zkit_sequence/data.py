@@ -87,7 +87,7 @@ def with_positions(batch: Any) -> Any:
     if isinstance(batch, dict) and POSITION_IDS in batch:
         return batch
     tokens = _first_tensor(batch)
-    positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand(tokens.shape[0], -1)
     if isinstance(batch, dict):
         return {**batch, POSITION_IDS: positions}
     if isinstance(batch, (list, tuple)):
