@@ -55,4 +55,8 @@ def test_one_rank_copies_host_shards_into_the_gathered_buffer_and_waits_at_use(o
     for a, b in zip(plain["params"], deferred["params"]):
         assert torch.equal(a, b)
     assert plain["losses"] == deferred["losses"]
-    assert deferred["most_ahead"] > 0
+    # A host shard on a CPU run lies where it is computed with: it is the gathered buffer itself
+    # and nothing is copied ahead (the copies counted are the optimizer's). An NVMe shard is read
+    # into memory first, so its copies run ahead as a host shard's do on an accelerator.
+    stage, dtype, opt, param = case
+    assert (deferred["most_ahead"] > 0) == (param == "nvme")
