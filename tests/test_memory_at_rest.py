@@ -54,10 +54,19 @@ def test_fake_tensors_a_compiled_checkpoint_keeps_alive_count_nothing():
 
 
 def test_live_tensor_bytes_counts_each_storage_once():
-    before = live_tensor_bytes()
-    base = torch.zeros(1000)
-    views = [base[:10], base.view(10, 100), base[500:]]
-    param = torch.nn.Parameter(torch.zeros(250))
-    param.grad = torch.ones(250)
-    assert live_tensor_bytes() - before == 4000 + 1000 + 1000
+    import gc
+
+    # garbage an earlier test left (a closed engine's cycles) must not be collected between the
+    # two readings: it would count in the first and not in the second
+    gc.collect()
+    gc.disable()
+    try:
+        before = live_tensor_bytes()
+        base = torch.zeros(1000)
+        views = [base[:10], base.view(10, 100), base[500:]]
+        param = torch.nn.Parameter(torch.zeros(250))
+        param.grad = torch.ones(250)
+        assert live_tensor_bytes() - before == 4000 + 1000 + 1000
+    finally:
+        gc.enable()
     del views, base, param
