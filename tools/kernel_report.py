@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -181,6 +182,94 @@ def report(package_dir: Path, src_root: Path) -> dict:
     }
 
 
+# -- the plugin contract: what hooks hand plugins, and what the kernel knows of distributions ----
+
+#: names under which code outside the core holds an engine (a hook argument, a plugin's field)
+ENGINE_HOLDERS = ("engine", "eng", "_engine")
+#: words in a kernel string that name what a distribution or a built-in plugin provides
+CATALOGUE_WORDS = ("offload_optimizer", "offload_param", "offload section")
+
+
+def hooks_taking_engine(hookspecs: Path) -> list[str]:
+    """The hooks with an argument annotated ``Engine`` (the whole engine handed to a plugin)."""
+    tree = ast.parse(hookspecs.read_text())
+    return sorted(node.name for node in tree.body if isinstance(node, ast.FunctionDef)
+                  and any(arg.annotation is not None and ast.unparse(arg.annotation).strip("'\"") == "Engine"
+                          for arg in node.args.args + node.args.kwonlyargs))
+
+
+def engine_attributes_outside_core(sources: list[Path]) -> dict[str, list[str]]:
+    """``{attribute: [files]}``: ``engine.X`` (or ``self.engine.X``) read by code outside ``zkit/core``."""
+    found: dict[str, set[str]] = {}
+    for source in sources:
+        for path in sorted(source.rglob("*.py")):
+            if path.is_relative_to(ROOT / "zkit" / "core"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Attribute):
+                    continue
+                holder = node.value
+                name = holder.id if isinstance(holder, ast.Name) else holder.attr if isinstance(
+                    holder, ast.Attribute) else None
+                if name in ENGINE_HOLDERS:
+                    found.setdefault(node.attr, set()).add(str(path.relative_to(ROOT)))
+    return {attr: sorted(files) for attr, files in sorted(found.items())}
+
+
+def kernel_catalogue(core: Path, builtin_plugins: list[str]) -> list[str]:
+    """Strings in the kernel's code (docstrings left out) that name a plugin distribution
+    (``zkit-offload``), a built-in plugin outside the list that loads them, or what one provides
+    (``offload``): each is something the kernel knows about who provides what."""
+    found = []
+    for path in sorted(core.rglob("*.py")):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        skip: set[int] = set()
+        for node in ast.walk(tree):  # the loading list itself is where built-ins are named
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "BUILTIN_PLUGINS" for t in node.targets):
+                skip.update(id(child) for child in ast.walk(node))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Constant) or not isinstance(node.value, str) or id(node) in docstrings \
+                    or id(node) in skip:
+                continue
+            text = node.value
+            if re.search(r"\bzkit-[a-z]", text) or any(name in text for name in builtin_plugins) \
+                    or any(word in text for word in CATALOGUE_WORDS):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text[:60]!r}")
+    return found
+
+
+def contract_report() -> dict:
+    tree = ast.parse((ROOT / "zkit" / "core" / "plugin_manager.py").read_text())
+    builtin = [n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+               and re.fullmatch(r"zkit\.[a-z_]+", n.value) and not n.value.startswith("zkit.core")
+               and "." not in n.value[5:]]
+    sources = [ROOT / "zkit", *sorted((ROOT / "plugins").glob("*/src")), ROOT / "cuda_numba" / "src"]
+    hookspecs = ROOT / "zkit" / "core" / "hookspecs.py"
+    return {
+        "hooks": sum(1 for n in ast.parse(hookspecs.read_text()).body
+                     if isinstance(n, ast.FunctionDef) and n.name.startswith("zkit_")),
+        "hooks_taking_engine": hooks_taking_engine(hookspecs),
+        "engine_attributes_outside_core": engine_attributes_outside_core(sources),
+        "kernel_catalogue": kernel_catalogue(ROOT / "zkit" / "core", builtin),
+    }
+
+
+def print_contract(contract: dict, verbose: bool) -> None:
+    print(f"\nplugin contract: {len(contract['hooks_taking_engine'])} of {contract['hooks']} hooks take the whole "
+          f"Engine; {len(contract['engine_attributes_outside_core'])} engine attribute(s) read outside zkit/core; "
+          f"{len(contract['kernel_catalogue'])} kernel string(s) naming a distribution, a built-in plugin or "
+          f"what one provides")
+    if verbose:
+        print("  hooks taking the engine:", " ".join(contract["hooks_taking_engine"]))
+        print("  engine attributes:", " ".join(contract["engine_attributes_outside_core"]))
+        for line in contract["kernel_catalogue"]:
+            print("  ", line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true")
@@ -195,8 +284,9 @@ def main() -> None:
         if package.is_dir() and (package / "__init__.py").exists():
             trees[package.name] = (package, ROOT / "cuda_numba" / "src")
     result = {name: report(path, src) for name, (path, src) in trees.items()}
+    contract = contract_report()
     if args.json:
-        print(json.dumps(result, indent=1))
+        print(json.dumps({**result, "contract": contract}, indent=1))
         return
     total = sum(r["lines"] for r in result.values())
     total_code = sum(r["code_lines"] for r in result.values())
@@ -222,6 +312,7 @@ def main() -> None:
             for line in (r["function_local_imports"] + r["communicator_constructions"] + r["plugin_imports"]
                          + r["core_imports_outside_core"]):
                 print("  ", line)
+    print_contract(contract, args.verbose)
 
 
 if __name__ == "__main__":
