@@ -1,6 +1,10 @@
 """The kernel's shape in numbers: lines per package (all lines, and code lines: neither blank, a
 comment nor a docstring), import circles, function-local imports,
-direct communicator constructions, and imports of plugin distributions from ``zkit/``.
+direct communicator constructions, and imports of plugin distributions from ``zkit/``; and the
+plugin contract: imports from one built-in package (``zkit/<package>/`` other than the core) into
+another, circles between built-in packages, and imports of a built-in's non-public modules (any
+module but a package's ``__init__``, ``zkit.core`` and ``zkit``'s top-level modules) by another
+built-in or by an installed plugin.
 
     python tools/kernel_report.py            # table on stdout
     python tools/kernel_report.py --json     # the same as JSON
@@ -270,11 +274,7 @@ def print_contract(contract: dict, verbose: bool) -> None:
             print("  ", line)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--verbose", action="store_true", help="list every local import and construction")
-    args = parser.parse_args()
+def _trees() -> dict[str, tuple[Path, Path]]:
     trees = {"zkit": (ROOT / "zkit", ROOT)}
     for plugin in sorted((ROOT / "plugins").iterdir()):
         for package in sorted((plugin / "src").glob("*")):
@@ -283,10 +283,73 @@ def main() -> None:
     for package in sorted((ROOT / "cuda_numba" / "src").glob("*")):
         if package.is_dir() and (package / "__init__.py").exists():
             trees[package.name] = (package, ROOT / "cuda_numba" / "src")
+    return trees
+
+
+def import_contract(trees: dict[str, tuple[Path, Path]] | None = None) -> dict:
+    """Who imports which built-in, and through which door.
+
+    A built-in package's public names are those its ``__init__`` exports; ``zkit.core`` is public
+    whole, and so are ``zkit``'s top-level modules (``zkit.testing``, ``zkit.cli``). Every import
+    counts, function-local and ``TYPE_CHECKING`` ones too: a circle hidden inside a function is
+    still a circle, and a type read from a private module still ties the importer to it."""
+    trees = trees or _trees()
+    zkit_dir, zkit_src = trees["zkit"]
+    modules = {module_name(path, zkit_src): path for path in sorted(zkit_dir.rglob("*.py"))}
+    builtins = sorted(d.name for d in zkit_dir.iterdir()
+                      if d.is_dir() and d.name != "core" and (d / "__init__.py").exists())
+
+    def builtin_of(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 1 and parts[0] == "zkit" and parts[1] in builtins else None
+
+    def public(target: str) -> bool:
+        return builtin_of(target) is None or modules[target].name == "__init__.py"
+
+    builtin_imports: set[str] = set()
+    builtin_private: set[str] = set()
+    package_graph: dict[str, set[str]] = {b: set() for b in builtins}
+    plugin_private: dict[str, set[str]] = {}
+    for name, (package_dir, src_root) in trees.items():
+        for path in sorted(package_dir.rglob("*.py")):
+            module = module_name(path, src_root)
+            tree = ast.parse(path.read_text())
+            for target, _local, _typing in imports_of(tree, module, path.name == "__init__.py", modules):
+                if target not in modules:
+                    continue
+                line = f"{path.relative_to(ROOT)}: {target}"
+                if name != "zkit":
+                    if not public(target):
+                        plugin_private.setdefault(name, set()).add(line)
+                    continue
+                source, into = builtin_of(module), builtin_of(target)
+                if source is None or into is None or source == into:
+                    continue
+                builtin_imports.add(line)
+                package_graph[source].add(into)
+                if not public(target):
+                    builtin_private.add(line)
+    return {
+        "builtin_packages": builtins,
+        "builtin_imports": sorted(builtin_imports),
+        "builtin_private_imports": sorted(builtin_private),
+        "builtin_dependencies": {b: sorted(d) for b, d in package_graph.items() if d},
+        "package_circles": strongly_connected(package_graph),
+        "plugin_private_imports": {name: sorted(lines) for name, lines in sorted(plugin_private.items())},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--verbose", action="store_true", help="list every local import and construction")
+    args = parser.parse_args()
+    trees = _trees()
     result = {name: report(path, src) for name, (path, src) in trees.items()}
     contract = contract_report()
+    imports = import_contract(trees)
     if args.json:
-        print(json.dumps({**result, "contract": contract}, indent=1))
+        print(json.dumps({**result, "contract": contract, "import_contract": imports}, indent=1))
         return
     total = sum(r["lines"] for r in result.values())
     total_code = sum(r["code_lines"] for r in result.values())
@@ -313,6 +376,19 @@ def main() -> None:
                          + r["core_imports_outside_core"]):
                 print("  ", line)
     print_contract(contract, args.verbose)
+    c = imports
+    private = c["plugin_private_imports"]
+    print(f"\nbuilt-in packages: {len(c['builtin_imports'])} import(s) from one into another "
+          f"({len(c['builtin_private_imports'])} of a non-public module), "
+          f"{len(c['package_circles'])} circle(s) between packages {c['package_circles']}")
+    print(f"installed plugins: {sum(len(v) for v in private.values())} import(s) of built-ins' non-public modules "
+          f"({', '.join(f'{name} {len(lines)}' for name, lines in private.items()) or 'none'})")
+    if args.verbose:
+        for source, targets in c["builtin_dependencies"].items():
+            print(f"  {source} -> {' '.join(targets)}")
+        for line in c["builtin_imports"] + [line for lines in private.values() for line in lines]:
+            print("  ", line)
+
 
 
 if __name__ == "__main__":
