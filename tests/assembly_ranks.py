@@ -99,11 +99,11 @@ def activations() -> dict[str, Any]:
     engine, *_ = zkit.initialize(model=nn.Linear(8, 8), config=_config(1), stack=STACK)
     MADE.clear()
     group = dist.new_group([0, 1])
-    zkit.activations.checkpointing.configure(engine, group=group, partition_activations=True)
+    zkit.activations.recompute.configure(engine, group=group, partition_activations=True)
     layer = nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True) * 2  # not a leaf: a saved input that is split
-    zkit.activations.checkpointing.checkpoint(layer, x).sum().backward()
-    zkit.activations.checkpointing.reset()
+    zkit.activations.recompute.checkpoint(layer, x).sum().backward()
+    zkit.activations.recompute.reset()
     out = _calls({"activations": group})
     engine.close()
     return out

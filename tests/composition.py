@@ -33,8 +33,8 @@ FEATURES: dict[str, str] = {
     "fp16": "fp16 training, dynamic loss scale",
     "grad_accum": "2 micro-batches of half the size per step",
     "clipping": "gradient_clipping 0.05",
-    "act_ckpt": "activation checkpointing of each block (zkit.activations.checkpointing, cpu_checkpointing)",
-    "act_ckpt_plain": "activation checkpointing of each block through zkit.activations.checkpointing with the "
+    "act_ckpt": "activation checkpointing of each block (zkit.activations.recompute, cpu_checkpointing)",
+    "act_ckpt_plain": "activation checkpointing of each block through zkit.activations.recompute with the "
                       "activation_checkpointing section present and every option off: each region is torch's "
                       "non-reentrant checkpoint alone (traced into the compiled graph under compile). The run "
                       "shows that no region needed the eager bookkeeping path and that blocks were recomputed "

@@ -194,10 +194,10 @@ def _plain_checkpoint(run: dict) -> str | None:
     seeded RNG tracker to replay), and blocks were recomputed: under compile, as regions inside
     the compiled graphs (a region Dynamo cannot trace runs eagerly as a whole, at a graph break:
     then, and without compile, as forwards run in backward)."""
-    from zkit.activations import checkpointing
+    from zkit.activations import recompute
     from zkit.activations.tracing import eager_reasons
 
-    reasons = eager_reasons(checkpointing.settings(), None, True)
+    reasons = eager_reasons(recompute.settings(), None, True)
     if reasons:
         return f"the regions ran on the eager path because of {reasons}"
     if sum(getattr(b, "regions", 0) for b in run.get("backends", [])) > 0:

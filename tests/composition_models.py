@@ -98,7 +98,7 @@ def layers(features: tuple[str, ...]) -> list[torch.nn.Module]:
 
 
 class Net(torch.nn.Module):
-    """The layers in order; with ``ckpt`` each block runs through zkit.activations.checkpointing."""
+    """The layers in order; with ``ckpt`` each block runs through zkit.activations.recompute."""
 
     def __init__(self, features: tuple[str, ...]) -> None:
         super().__init__()
@@ -108,7 +108,7 @@ class Net(torch.nn.Module):
             self.layers[-1].lm_head.weight = self.layers[0].wte.weight
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
-        from zkit.activations import checkpointing
+        from zkit.activations import recompute
         from zkit.models.gpt import Block
 
         for layer in self.layers:
@@ -116,7 +116,7 @@ class Net(torch.nn.Module):
             if isinstance(layer, Embed):
                 x = layer(x, positions)
             else:
-                x = checkpointing.checkpoint(layer, x) if self.ckpt and blocks else layer(x)
+                x = recompute.checkpoint(layer, x) if self.ckpt and blocks else layer(x)
         return x
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-import zkit.activations.checkpointing as ckpt
+import zkit.activations.recompute as ckpt
 from zkit.zero.device_allocator import DeviceAllocator
 from zkit.core.config import ConfigError
 from zkit.models.gpt import GPT, Block, GPTConfig
@@ -140,7 +140,7 @@ def test_number_checkpoints_sizes_the_arena_up_front():
 
 
 def test_tensor_parallel_rng_stream_is_replayed():
-    rng = pytest.importorskip("zkit_pipeline.tensor_parallel.rng")
+    rng = pytest.importorskip("zkit_pipeline.tensor_parallel.rng_tracker")
     lin = nn.Linear(8, 8)
     x = torch.randn(4, 8, requires_grad=True)
 
@@ -169,7 +169,7 @@ def test_profile_logs_forward_and_recompute(caplog):
     ckpt.configure(profile=True)
     model = _gpt()
     ckpt.apply(model, "every_k:2")
-    with caplog.at_level(logging.INFO, logger="zkit.activations.checkpointing"):
+    with caplog.at_level(logging.INFO, logger="zkit.activations.recompute"):
         _grads(model)
     report = ckpt.profile_report()
     assert set(report) == {"blocks.0", "blocks.2"}
@@ -201,7 +201,7 @@ def test_bad_policies(policy, message):
 def test_apply_errors():
     model = _gpt()
     ckpt.apply(model, "every")
-    with pytest.raises(ValueError, match="'blocks.0' is already checkpointed; call zkit.activations.checkpointing.remove"):
+    with pytest.raises(ValueError, match="'blocks.0' is already checkpointed; call zkit.activations.recompute.remove"):
         ckpt.apply(model, "every")
     with pytest.raises(ValueError, match="has no nn.ModuleList or nn.Sequential of blocks"):
         ckpt.apply(nn.Linear(2, 2), "every")
@@ -229,7 +229,7 @@ def test_configure_errors():
 
 
 def test_partition_without_group_is_a_noop(caplog):
-    with caplog.at_level(logging.INFO, logger="zkit.activations.checkpointing"):
+    with caplog.at_level(logging.INFO, logger="zkit.activations.recompute"):
         s = ckpt.configure(partition_activations=True)
     assert not s.splits and not s.transforms_inputs
     assert "no tensor-parallel group" in caplog.text

@@ -12,8 +12,8 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 
 import zkit
-import zkit.activations.checkpointing as ckpt
-from zkit.activations.rng import trackers
+import zkit.activations.recompute as ckpt
+from zkit.activations.replayed_rng import trackers
 from zkit.models.gpt import GPT, GPTConfig
 from zkit.testing import CountingBackend, run_ranks
 
@@ -46,7 +46,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.nn.functional.gelu(self.up(x))
         if self.tensor_parallel_dropout:  # a split activation: dropout from the tensor-parallel stream
-            from zkit_pipeline.tensor_parallel.rng import get_rng_tracker
+            from zkit_pipeline.tensor_parallel.rng_tracker import get_rng_tracker
 
             with get_rng_tracker().fork():
                 h = self.drop(h)
@@ -131,7 +131,7 @@ def test_regions_needing_bookkeeping_run_eagerly_under_compile_with_eager_number
     options = dict(options)
     tensor_parallel = options.pop("tensor_parallel_dropout", False)
     if tensor_parallel:
-        model_parallel_seed = pytest.importorskip("zkit_pipeline.tensor_parallel.rng").model_parallel_seed
+        model_parallel_seed = pytest.importorskip("zkit_pipeline.tensor_parallel.rng_tracker").model_parallel_seed
 
     def runs(compiled: bool):
         ckpt.reset()
@@ -141,7 +141,7 @@ def test_regions_needing_bookkeeping_run_eagerly_under_compile_with_eager_number
         out = _train(Net(ckpt.checkpoint, tensor_parallel), compiled)
         return out, ckpt.profile_report()
 
-    with caplog.at_level(logging.WARNING, logger="zkit.activations.checkpointing"):
+    with caplog.at_level(logging.WARNING, logger="zkit.activations.recompute"):
         (eager, eager_profile), (compiled, compiled_profile) = runs(False), runs(True)
     _assert_same(compiled, eager)
     warnings = [r.getMessage() for r in caplog.records if "torch.compile" in r.getMessage()]

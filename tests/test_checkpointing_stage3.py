@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-import zkit.activations.checkpointing as ckpt
+import zkit.activations.recompute as ckpt
 from zkit.testing import run_ranks
 
 import engine_ranks as er

@@ -191,7 +191,7 @@ def test_zero_names():
         deepspeed.zero.register_external_parameter(lin, torch.ones(1))
     from deepspeed.runtime.lr_schedules import VALID_LR_SCHEDULES, WarmupLR
 
-    assert "WarmupDecayLR" in VALID_LR_SCHEDULES and WarmupLR is zkit.schedules.lr_schedules.WarmupLR
+    assert "WarmupDecayLR" in VALID_LR_SCHEDULES and WarmupLR is zkit.lr_schedules.warmup.WarmupLR
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

@@ -11,14 +11,14 @@ import torch
 import composition as matrix
 from composition_evidence import RecomputeCounter, RegionCountingBackend, missing
 from composition_models import Net, batch, loss
-from zkit.activations import checkpointing
+from zkit.activations import recompute
 
 
 @pytest.fixture(autouse=True)
 def _defaults():
-    checkpointing.reset()
+    recompute.reset()
     yield
-    checkpointing.reset()
+    recompute.reset()
 
 
 def _missing(run: dict) -> list[str]:
@@ -26,17 +26,17 @@ def _missing(run: dict) -> list[str]:
 
 
 def test_the_section_has_every_option_off():
-    settings = checkpointing.configure(matrix.config(("act_ckpt_plain",), ""))
+    settings = recompute.configure(matrix.config(("act_ckpt_plain",), ""))
     assert not (settings.profile or settings.cpu_checkpointing or settings.partition_activations
                 or settings.synchronize_checkpoint_boundary or settings.contiguous_memory_optimization)
 
 
 def test_evidence_names_the_eager_path_and_the_missing_recomputes():
-    checkpointing.configure(checkpoint_in_cpu=True)
+    recompute.configure(checkpoint_in_cpu=True)
     ran = {"recompute": SimpleNamespace(recomputes=4)}
     assert _missing(ran) == ["act_ckpt_plain: the regions ran on the eager path because of "
                              "['activation_checkpointing.cpu_checkpointing']"]
-    checkpointing.reset()
+    recompute.reset()
     assert _missing(ran) == []
     assert _missing({"recompute": SimpleNamespace(recomputes=0)}) == [
         "act_ckpt_plain: no block was recomputed in backward"]

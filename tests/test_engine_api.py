@@ -202,7 +202,7 @@ def test_zero_init_takes_deepspeeds_config_dict_or_path(tmp_path):
 def test_checkpointing_configure_takes_deepspeeds_mpu_and_config(tmp_path):
     import json
 
-    from zkit.activations import checkpointing
+    from zkit.activations import recompute
 
     class Mpu:  # Megatron's model-parallel unit, as DeepSpeed scripts pass it
         def get_model_parallel_group(self):
@@ -210,12 +210,12 @@ def test_checkpointing_configure_takes_deepspeeds_mpu_and_config(tmp_path):
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"activation_checkpointing": {"profile": True, "number_checkpoints": 3}}))
-    for settings in (checkpointing.configure(Mpu(), deepspeed_config=str(path)),
-                     checkpointing.configure(mpu_=Mpu(), deepspeed_config=json.loads(path.read_text()))):
+    for settings in (recompute.configure(Mpu(), deepspeed_config=str(path)),
+                     recompute.configure(mpu_=Mpu(), deepspeed_config=json.loads(path.read_text()))):
         assert settings.profile is True and settings.number_checkpoints == 3
     with pytest.raises(ValueError, match="either as the first argument or as deepspeed_config=, not both"):
-        checkpointing.configure({}, deepspeed_config={})
-    checkpointing.configure()  # back to the defaults for the tests that follow
+        recompute.configure({}, deepspeed_config={})
+    recompute.configure()  # back to the defaults for the tests that follow
 
 
 # -- a closed engine, data that runs out ------------------------------------------------------------

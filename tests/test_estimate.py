@@ -120,7 +120,7 @@ def test_stage3_shards_cover_the_model_once(modules, world, persistence):
 @pytest.mark.parametrize("dtype, nbytes", ((torch.float32, 4), (torch.bfloat16, 2)))
 @pytest.mark.parametrize("checkpointing", (False, True))
 def test_gpt_activation_estimate_matches_saved_tensors(dtype, nbytes, checkpointing):
-    import zkit.activations.checkpointing as ckpt
+    import zkit.activations.recompute as ckpt
 
     cfg = GPTConfig(vocab_size=200, seq_len=32, n_layer=3, n_head=4, d_model=64)
     torch.manual_seed(0)

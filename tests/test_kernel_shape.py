@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zkit
-from zkit.core.monitor import NoMonitor
+from zkit.core.metrics import NoMonitor
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zkit.schedules.plugin import zkit_register_schedulers
-from zkit.schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zkit.lr_schedules.plugin import zkit_register_schedulers
+from zkit.lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 FACTORIES = {r.name: r.factory for r in zkit_register_schedulers()}
 

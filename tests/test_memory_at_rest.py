@@ -37,7 +37,7 @@ def test_fake_tensors_a_compiled_checkpoint_keeps_alive_count_nothing():
     the walk over live tensors skips them instead of failing."""
     import torch._dynamo
 
-    from zkit.activations.checkpointing import checkpoint
+    from zkit.activations.recompute import checkpoint
 
     lin = torch.nn.Linear(16, 16)
     x = torch.randn(2, 8, 16, requires_grad=True)

@@ -52,7 +52,7 @@ def test_blocking_a_builtin_removes_its_records():
 
 
 def test_blocking_through_the_environment(monkeypatch):
-    monkeypatch.setenv("ZKIT_BLOCK_PLUGINS", "zkit.schedules")
+    monkeypatch.setenv("ZKIT_BLOCK_PLUGINS", "zkit.lr_schedules")
     pm = get_plugin_manager(autoload=False)
     assert not pm.records("scheduler") or "warmuplr" not in pm.records("scheduler")
 

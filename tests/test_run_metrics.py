@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import zkit
-import zkit.activations.checkpointing as ckpt
+import zkit.activations.recompute as ckpt
 from zkit.models.gpt import GPT, GPTConfig
 from zkit import telemetry
 from zkit.telemetry import StepProbe, format_bytes, format_flops, format_memory_line, format_step_line

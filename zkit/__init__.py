@@ -9,7 +9,7 @@ Public API::
 ``import zkit as deepspeed`` gives zkit's own API under names DeepSpeed shares:
 ``deepspeed.initialize(model=..., config=...)`` (keywords; the config takes DeepSpeed's keys),
 ``deepspeed.zero.Init`` / ``deepspeed.zero.GatheredParameters`` (:mod:`zkit.zero`) and
-``deepspeed.checkpointing`` (activation checkpointing, :mod:`zkit.activations.checkpointing`).
+``deepspeed.checkpointing`` (activation checkpointing, :mod:`zkit.activations.recompute`).
 DeepSpeed's other names (``comm``, ``accelerator``, ``ops``, ``pipe``, ``utils``, ``runtime``,
 ``DeepSpeedEngine``, ``init_distributed``, ...) are not zkit's: reaching one raises an
 ``AttributeError`` that says to install the drop-in (the ``deepspeed`` distribution in
@@ -70,7 +70,7 @@ def __getattr__(name: str):
 
 
 #: submodules reached as attributes (``deepspeed.zero.Init`` after ``import zkit as deepspeed``)
-_SUBMODULES = {"checkpointing": "zkit.activations.checkpointing", "zero": "zkit.zero"}
+_SUBMODULES = {"checkpointing": "zkit.activations.recompute", "zero": "zkit.zero"}
 #: DeepSpeed's top-level names that only the drop-in provides: ``import zkit as deepspeed`` says so
 DEEPSPEED_ONLY_NAMES = frozenset({
     "DeepSpeedConfig", "DeepSpeedConfigError", "DeepSpeedEngine", "OnDevice", "TORCH_DISTRIBUTED_DEFAULT_PORT",

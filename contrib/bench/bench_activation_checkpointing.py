@@ -16,7 +16,7 @@ import weakref
 
 import torch
 
-import zkit.activations.checkpointing as ckpt
+import zkit.activations.recompute as ckpt
 from zkit.zero.device_allocator import DeviceAllocator
 from zkit.estimator import gpt_activation_bytes
 from zkit.models.gpt import GPT, GPTConfig

@@ -14,9 +14,9 @@ import os
 import time
 
 from zkit_pipeline.gpt_runs import make_data, train_dense, train_pipeline, train_tensor_parallel
-from zkit_pipeline.tp_gpt import GPTConfig
+from zkit_pipeline.tp_gpt import TensorParallelGPTConfig
 
-CFG = GPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=4)
+CFG = TensorParallelGPTConfig(vocab_size=128, seq_len=32, d_model=64, n_heads=4, n_layers=4)
 MICRO, BATCH, LR, CLIP = 4, 4, 3e-3, 1.0
 
 

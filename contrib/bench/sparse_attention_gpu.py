@@ -333,7 +333,7 @@ def query_probe(run: Run, heads: int, seq: int) -> torch.Tensor:
 
 
 def gpt_stage(run: Run, step_cap_s: float) -> None:
-    import zkit.activations.checkpointing as ckpt
+    import zkit.activations.recompute as ckpt
     from zkit.models.gpt import GPT, GPTConfig
 
     layers, d, heads, vocab = (2, 64, 4, 256) if run.smoke else (12, 768, 12, 8192)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import zkit
-from zkit.activations.checkpointing import apply as checkpoint_blocks
+from zkit.activations.recompute import apply as checkpoint_blocks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -16,7 +16,7 @@ SECTION = "activation_checkpointing"
 
 @attrs.frozen(kw_only=True)
 class ActivationCheckpointingConfig:
-    """Settings of ``zkit.activations.checkpointing.checkpoint`` (activation recomputation)."""
+    """Settings of ``zkit.activations.recompute.checkpoint`` (activation recomputation)."""
 
     partition_activations: bool = setting(
         False, doc="Split checkpointed activations across model-parallel ranks."

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import zkit
-from zkit.activations import checkpointing
+from zkit.activations import recompute
 from zkit.activations.config import SECTION, ActivationCheckpointingConfig
 from zkit.core.records import ConfigSectionRecord
 
@@ -16,4 +16,4 @@ def zkit_config_sections():
 @zkit.hookimpl(tryfirst=True)
 def zkit_engine_setup(engine):
     # first: other plugins' setup (a pipeline's tensor-parallel group) reconfigures on top of it
-    checkpointing.configure(engine)
+    recompute.configure(engine)

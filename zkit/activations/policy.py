@@ -1,7 +1,7 @@
 """Checkpoint a model's blocks by policy, without editing the model, and undo it.
 
 A selected module's class is swapped for a subclass whose ``__call__`` runs the original call
-(forward *and* the module's hooks) through a runner: :func:`zkit.activations.checkpointing.apply`
+(forward *and* the module's hooks) through a runner: :func:`zkit.activations.recompute.apply`
 passes zkit's checkpoint. Parameter names,
 ``state_dict`` keys and ``isinstance`` checks are unchanged, and hooks that fetch parameters
 (ZeRO stage 3) run again when the block is recomputed. :func:`remove` restores the classes.
@@ -110,14 +110,14 @@ def wrap(model: nn.Module, policy: Policy, runner: Runner, **options: Any) -> li
     ``preserve_rng_state``, ``group``). Raises if the policy selects nothing or a selected block is
     already checkpointed."""
     if not isinstance(model, nn.Module):
-        raise TypeError(f"zkit.activations.checkpointing.apply needs an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"zkit.activations.recompute.apply needs an nn.Module, got {type(model).__name__}")
     chosen = select_blocks(model, policy)
     if not chosen:
         raise ValueError(f"checkpoint policy {policy!r} selects no module of {type(model).__name__}")
     for name, module in chosen:
         if isinstance(module, CheckpointWrapper):
             raise ValueError(
-                f"module {name!r} is already checkpointed; call zkit.activations.checkpointing.remove(model) first"
+                f"module {name!r} is already checkpointed; call zkit.activations.recompute.remove(model) first"
             )
     for name, module in chosen:
         module.__class__ = _wrapped_class(type(module))

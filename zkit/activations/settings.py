@@ -16,7 +16,7 @@ from zkit.core.config.structure import Context, structure
 
 @attrs.frozen(kw_only=True)
 class CheckpointSettings:
-    """What :func:`zkit.activations.checkpointing.checkpoint` does besides recomputation.
+    """What :func:`zkit.activations.recompute.checkpoint` does besides recomputation.
 
     The first six fields are the ``activation_checkpointing`` config keys (DeepSpeed's names).
     ``group`` is the tensor-parallel communicator that ``partition_activations`` splits saved
@@ -80,7 +80,7 @@ def section_from(source: Any) -> tuple[ActivationCheckpointingConfig, Allocator 
             data, path = dict(source), "activation_checkpointing"
         return structure(ActivationCheckpointingConfig, data, path, Context(sections={})), None
     raise TypeError(
-        "zkit.activations.checkpointing.configure takes an engine, a ZkitConfig, a config dict or an "
+        "zkit.activations.recompute.configure takes an engine, a ZkitConfig, a config dict or an "
         f"ActivationCheckpointingConfig, got {type(source).__name__}"
     )
 

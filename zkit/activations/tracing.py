@@ -11,13 +11,13 @@ without compilation, and the first such region under compilation logs a warning 
 Needing eager execution: ``profile`` (timing spans), ``synchronize_checkpoint_boundary`` (device
 synchronizations), ``cpu_checkpointing`` and a ``partition_activations`` that really splits
 (saved-tensor hooks), and replaying a seeded RNG tracker (zkit-pipeline's tensor-parallel stream,
-:mod:`zkit.activations.rng`), which must be restored for the recomputation only.
+:mod:`zkit.activations.replayed_rng`), which must be restored for the recomputation only.
 """
 from __future__ import annotations
 
 from typing import Any
 
-from zkit.activations.rng import trackers
+from zkit.activations.replayed_rng import trackers
 from zkit.activations.settings import CheckpointSettings
 
 _EAGER_KEYS = ("profile", "synchronize_checkpoint_boundary", "cpu_checkpointing")

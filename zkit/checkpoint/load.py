@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkit.checkpoint import rng
+from zkit.checkpoint import rng_state
 from zkit.checkpoint.commit import loadable_directory
 from zkit.checkpoint.digest import VerifiedCopies
 from zkit.checkpoint.fill import StagedPieces, fill_pieces
@@ -157,7 +157,7 @@ def load_checkpoint(
         if load_lr_scheduler_states and engine.lr_scheduler is not None and "lr_scheduler" in first:
             engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
         if mine is not None:
-            rng.restore(mine["rng"])  # same world size: training continues bit for bit
+            rng_state.restore(mine["rng"])  # same world size: training continues bit for bit
         engine.load_train_state_dict(staged.meta)  # the counters and the loss scaler
         plugin_state = (mine or first).get("plugins", {})
         engine.pm.call_each_with("zkit_checkpoint_load", plugin_state, engine=engine)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkit.checkpoint import rng
+from zkit.checkpoint import rng_state
 from zkit.checkpoint.accumulation import refuse_partial_accumulation
 from zkit.checkpoint.config import checkpoint_config
 from zkit.checkpoint.digest import payload_digests
@@ -171,7 +171,7 @@ def _payload(engine: "Engine", client_state: dict, exclude_frozen_parameters: bo
             }
             for p in pieces
         ],
-        "rng": rng.capture(),
+        "rng": rng_state.capture(),
         "plugins": engine.pm.call_each_named("zkit_checkpoint_save", engine=engine),
     }
     if engine.rank == 0:

@@ -12,6 +12,6 @@
   :mod:`~zkit.core.attention`
 
 The kernel imports no built-in plugin package and no installed distribution; the built-ins
-(``zkit.zero``, ``zkit.optim``, ``zkit.schedules``, ``zkit.checkpoint``, ``zkit.torch_distributed``,
+(``zkit.zero``, ``zkit.optim``, ``zkit.lr_schedules``, ``zkit.checkpoint``, ``zkit.torch_distributed``,
 ``zkit.models``, ``zkit.host_memory``, ...) are loaded by name like any plugin.
 """

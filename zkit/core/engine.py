@@ -34,7 +34,7 @@ from zkit.core.stack import Stack, configure
 from zkit.core.stash import Stash
 from zkit.core.step_outcome import StepOutcomes
 from zkit.core.memory import memory_snapshot
-from zkit.core.monitor import NoMonitor
+from zkit.core.metrics import NoMonitor
 
 log = logging.getLogger("zkit")
 

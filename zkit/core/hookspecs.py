@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
         SchedulerRecord,
     )
     from zkit.core.stack import Stack
-    from zkit.core.monitor import MetricsMonitor
+    from zkit.core.metrics import MetricsMonitor
 
 PROJECT = "zkit"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -258,7 +258,7 @@ def zkit_model_built_partitioned(assembly: Assembly) -> None:
 def zkit_make_monitor(engine: Engine) -> MetricsMonitor | None:
     """Return the object behind ``engine.monitor``: it receives the step metrics as ``(tag,
     value, step)`` events on rank 0, and user code may write its own events to it (as DeepSpeed's
-    ``engine.monitor.write_events``). It follows :class:`zkit.core.monitor.MetricsMonitor`.
+    ``engine.monitor.write_events``). It follows :class:`zkit.core.metrics.MetricsMonitor`.
     The built-in answer (``trylast``, :mod:`zkit.monitor`) opens the writers the ``csv_monitor``
     and ``tensorboard`` sections enable; a plugin answering first replaces it (wrap it with
     ``wrapper=True`` to add a writer beside it). First non-None answer wins."""

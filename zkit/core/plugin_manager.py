@@ -209,7 +209,7 @@ BUILTIN_PLUGINS = (
     ("zkit.comm_torch", "zkit.torch_distributed.communicator"),
     ("zkit.alloc_flat", "zkit.zero.device_allocator"),
     ("zkit.optim_torch", "zkit.optim.plugin"),
-    ("zkit.schedules", "zkit.schedules.plugin"),
+    ("zkit.lr_schedules", "zkit.lr_schedules.plugin"),
     ("zkit.partitioners", "zkit.zero.plugin"),
     ("zkit.attn_dense", "zkit.models.dense_attention"),
     ("zkit.train_loop", "zkit.train_loop.plugin"),

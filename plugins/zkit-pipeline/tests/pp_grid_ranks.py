@@ -22,10 +22,10 @@ from zkit_pipeline.gpt_runs import (
     train_steps,
     train_tensor_parallel,
 )
-from zkit_pipeline.tp_gpt import GPTConfig
+from zkit_pipeline.tp_gpt import TensorParallelGPTConfig
 
 MICRO, BATCH, STAGES = 2, 2, 2
-GPT = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
+GPT = TensorParallelGPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
 GPT_STEPS, GPT_LR, GPT_CLIP = 3, 3e-3, 0.5
 
 

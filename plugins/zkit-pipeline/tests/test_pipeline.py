@@ -98,9 +98,9 @@ def test_schedules_are_registered_as_step_records():
 
 
 def test_pipeline_checkpointing_follows_the_activation_checkpointing_config():
-    """activation_checkpoint_interval runs through zkit.activations.checkpointing: the configured profile
+    """activation_checkpoint_interval runs through zkit.activations.recompute: the configured profile
     (and CPU copies) apply, and the gradients are those without checkpointing."""
-    from zkit.activations import checkpointing
+    from zkit.activations import recompute
 
     torch.manual_seed(0)
     layers = [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh()]
@@ -111,12 +111,12 @@ def test_pipeline_checkpointing_follows_the_activation_checkpointing_config():
     want = [p.grad.clone() for p in plain.parameters()]
     for p in plain.parameters():
         p.grad = None
-    checkpointing.configure({"activation_checkpointing": {"cpu_checkpointing": True, "profile": True}})
+    recompute.configure({"activation_checkpointing": {"cpu_checkpointing": True, "profile": True}})
     try:
         ckpt(x).sum().backward()
-        report = checkpointing.profile_report()
+        report = recompute.profile_report()
     finally:
-        checkpointing.reset()
+        recompute.reset()
     assert any(name.startswith("pipeline layers") for name in report), report
     for p, g in zip(ckpt.parameters(), want):
         torch.testing.assert_close(p.grad, g)

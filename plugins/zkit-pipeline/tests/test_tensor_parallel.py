@@ -8,8 +8,8 @@ import tp_ranks
 from zkit.testing import run_ranks
 from zkit_pipeline.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zkit_pipeline.tensor_parallel import get_rng_tracker, vocab_parallel_cross_entropy
-from zkit_pipeline.tensor_parallel.rng import RNGStatesTracker
-from zkit_pipeline.tp_gpt import GPTConfig, TensorParallelGPT
+from zkit_pipeline.tensor_parallel.rng_tracker import RNGStatesTracker
+from zkit_pipeline.tp_gpt import TensorParallelGPTConfig, TensorParallelGPT
 
 
 def _all_close(results):
@@ -52,7 +52,7 @@ class _OneRank:
         (lambda: ColumnParallelLinear(4, 5, _OneRank()), r"ColumnParallelLinear out_features \(5\) must be divisible by the tensor-parallel size \(2\)"),
         (lambda: RowParallelLinear(3, 4, _OneRank()), r"RowParallelLinear in_features \(3\) must be divisible"),
         (lambda: VocabParallelEmbedding(7, 4, _OneRank()), r"num_embeddings \(7\) must be divisible"),
-        (lambda: TensorParallelGPT(GPTConfig(d_model=30, n_heads=4)), r"d_model \(30\) must be divisible by n_heads \(4\)"),
+        (lambda: TensorParallelGPT(TensorParallelGPTConfig(d_model=30, n_heads=4)), r"d_model \(30\) must be divisible by n_heads \(4\)"),
     ],
 )
 def test_bad_shapes_are_named(build, message):

@@ -14,7 +14,7 @@ from zkit_pipeline.tensor_parallel import (
     model_parallel_seed,
     vocab_parallel_cross_entropy,
 )
-from zkit_pipeline.tp_gpt import GPTConfig, TensorParallelGPT
+from zkit_pipeline.tp_gpt import TensorParallelGPTConfig, TensorParallelGPT
 
 
 def _close(a, b, tol=1e-5):
@@ -89,7 +89,7 @@ def dropout_masks() -> dict:
 
 def gpt_matches_dense(steps: int) -> dict:
     comm = TorchCommunicator()
-    cfg = GPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
+    cfg = TensorParallelGPTConfig(vocab_size=64, seq_len=8, d_model=32, n_heads=4, n_layers=2)
     dense, parallel = TensorParallelGPT(cfg), TensorParallelGPT(cfg, comm)
     opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (dense, parallel)]
     gen = torch.Generator().manual_seed(7)
@@ -121,18 +121,18 @@ def partition_activations_from_config() -> dict:
     """A TensorParallelModule engine whose config alone turns partition_activations on: the
     checkpointing settings split saved inputs over the model's tensor-parallel ranks."""
     import zkit
-    from zkit.activations import checkpointing
+    from zkit.activations import recompute
     from zkit_pipeline.tensor_parallel.module import TensorParallelModule
     from zkit_pipeline.topology import ProcessGrid
-    from zkit_pipeline.tp_gpt import GPTConfig, TensorParallelGPT
+    from zkit_pipeline.tp_gpt import TensorParallelGPTConfig, TensorParallelGPT
 
-    cfg = GPTConfig(vocab_size=32, seq_len=8, n_layers=1, n_heads=2, d_model=16)
+    cfg = TensorParallelGPTConfig(vocab_size=32, seq_len=8, n_layers=1, n_heads=2, d_model=16)
     module = TensorParallelModule(lambda tp: TensorParallelGPT(cfg, tp), ProcessGrid(data=1, tensor=2))
     engine, *_ = zkit.initialize(model=module, config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "activation_checkpointing": {"partition_activations": True}})
-    settings = checkpointing.settings()
+    settings = recompute.settings()
     out = {"splits": settings.splits, "group_size": settings.group.world_size if settings.group else None}
     engine.close()
-    checkpointing.reset()
+    recompute.reset()
     return out

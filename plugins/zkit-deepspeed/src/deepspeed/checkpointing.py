@@ -1,4 +1,4 @@
-"""``deepspeed.checkpointing`` (DeepSpeed's activation checkpointing): :mod:`zkit.activations.checkpointing`."""
-from zkit.activations.checkpointing import checkpoint, configure, is_configured, reset
+"""``deepspeed.checkpointing`` (DeepSpeed's activation checkpointing): :mod:`zkit.activations.recompute`."""
+from zkit.activations.recompute import checkpoint, configure, is_configured, reset
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset"]

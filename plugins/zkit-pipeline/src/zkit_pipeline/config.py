@@ -32,7 +32,7 @@ class PipelineSectionConfig:
     )
     activation_checkpoint_interval: int = setting(
         0, doc="Layers per activation-checkpointed run.",
-        hint="set PipelineModule(activation_checkpoint_interval=...); it checkpoints through zkit.activations.checkpointing",
+        hint="set PipelineModule(activation_checkpoint_interval=...); it checkpoints through zkit.activations.recompute",
     )
     pipe_partitioned: bool = setting(
         True, doc="Split activations sent between stages over the tensor-parallel ranks.",
@@ -44,5 +44,5 @@ class PipelineSectionConfig:
     )
     use_reentrant: bool = setting(
         True, doc="Reentrant activation checkpointing.",
-        hint="the pipeline's activation checkpointing runs non-reentrant (zkit.activations.checkpointing)",
+        hint="the pipeline's activation checkpointing runs non-reentrant (zkit.activations.recompute)",
     )

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from zkit_pipeline.module import PipelineModule
 from zkit_pipeline.tensor_parallel.module import TensorParallelModule
 from zkit_pipeline.topology import ProcessGrid
-from zkit_pipeline.tp_gpt import GPTConfig, TensorParallelGPT, lm_loss, pipeline_layers
+from zkit_pipeline.tp_gpt import TensorParallelGPTConfig, TensorParallelGPT, lm_loss, pipeline_layers
 
 Batches = list[list[list[tuple[torch.Tensor, torch.Tensor]]]]
 
@@ -32,7 +32,7 @@ class Run:
     engine: Any = None
 
 
-def make_data(cfg: GPTConfig, steps: int, replicas: int, micro: int, batch: int, seed: int = 7,
+def make_data(cfg: TensorParallelGPTConfig, steps: int, replicas: int, micro: int, batch: int, seed: int = 7,
               progressions: bool = False) -> Batches:
     """``[step][replica][micro] -> (inputs, targets)``: random tokens, or with ``progressions``
     arithmetic progressions ``a + k t (mod vocab)`` (learnable, so losses fall)."""
@@ -66,7 +66,7 @@ def engine_config(micro: int, batch: int, zero: int, lr: float, clip: float) -> 
     }
 
 
-def train_dense(cfg: GPTConfig, data: Batches, *, lr: float, clip: float, replica: int | None = 0) -> Run:
+def train_dense(cfg: TensorParallelGPTConfig, data: Batches, *, lr: float, clip: float, replica: int | None = 0) -> Run:
     """The reference: one process, the whole global batch, AdamW, ``clip_grad_norm_``. The losses
     are ``replica``'s, or with ``None`` the mean over the replicas (what a pipeline engine's
     ``train_batch`` returns)."""
@@ -89,7 +89,7 @@ def train_dense(cfg: GPTConfig, data: Batches, *, lr: float, clip: float, replic
     return Run(losses, norms)
 
 
-def train_pipeline(cfg: GPTConfig, data: Batches, *, stages: int, zero: int, lr: float, clip: float,
+def train_pipeline(cfg: TensorParallelGPTConfig, data: Batches, *, stages: int, zero: int, lr: float, clip: float,
                    schedule: str = "1f1b") -> Run:
     """``stages`` pipeline stages x the rest data parallel, through ``engine.train_batch``."""
     import zkit
@@ -106,7 +106,7 @@ def train_pipeline(cfg: GPTConfig, data: Batches, *, stages: int, zero: int, lr:
     return Run(losses, norms, engine)
 
 
-def tensor_parallel_engine(cfg: GPTConfig, *, tensor: int, zero: int, lr: float, clip: float, micro: int,
+def tensor_parallel_engine(cfg: TensorParallelGPTConfig, *, tensor: int, zero: int, lr: float, clip: float, micro: int,
                            batch: int) -> tuple[Any, int]:
     """A ``tensor`` x (world / tensor) engine of the GPT; returns it and this rank's replica."""
     import zkit
@@ -134,7 +134,7 @@ def train_steps(engine: Any, data: Batches, replica: int) -> Run:
     return Run(losses, norms, engine)
 
 
-def train_tensor_parallel(cfg: GPTConfig, data: Batches, *, tensor: int, zero: int, lr: float, clip: float) -> Run:
+def train_tensor_parallel(cfg: TensorParallelGPTConfig, data: Batches, *, tensor: int, zero: int, lr: float, clip: float) -> Run:
     """``tensor`` tensor-parallel ranks x the rest data parallel, through the engine's ordinary
     forward / backward / step."""
     micro, batch = len(data[0][0]), data[0][0][0][0].shape[0]

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkit.activations.checkpointing import checkpoint
+from zkit.activations.recompute import checkpoint
 from zkit.torch_distributed.deferred_communicator import DeferredCommunicator
 from zkit.zero.init import building_under_init
 from zkit.zero.init_adopt import pipeline_refusal
@@ -87,7 +87,7 @@ class PipelineModule(nn.Module):
     ``virtual_stages = v`` the layers are cut into ``num_stages * v`` parts and this stage holds
     parts ``stage_id, stage_id + p, ...`` (for interleaved schedules).
     ``activation_checkpoint_interval = k > 0`` recomputes each run of ``k`` layers in backward
-    instead of keeping its activations, through :func:`zkit.activations.checkpointing.checkpoint`: the
+    instead of keeping its activations, through :func:`zkit.activations.recompute.checkpoint`: the
     engine's ``activation_checkpointing`` section applies (``cpu_checkpointing``, ``profile``, and
     ``partition_activations`` over the stage's tensor-parallel ranks).
 

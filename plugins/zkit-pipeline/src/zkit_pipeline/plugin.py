@@ -80,7 +80,7 @@ def zkit_train_batch(engine: Any, data_iter: Any) -> Any:
 @zkit.hookimpl
 def zkit_checkpoint_save(engine: Any) -> dict[str, Any] | None:
     """This rank's tensor-parallel RNG states (dropout on split activations), when it has any."""
-    from zkit_pipeline.tensor_parallel.rng import get_rng_tracker
+    from zkit_pipeline.tensor_parallel.rng_tracker import get_rng_tracker
 
     states = get_rng_tracker().states
     if not states:
@@ -90,7 +90,7 @@ def zkit_checkpoint_save(engine: Any) -> dict[str, Any] | None:
 
 @zkit.hookimpl
 def zkit_checkpoint_load(engine: Any, state: dict[str, Any]) -> None:
-    from zkit_pipeline.tensor_parallel.rng import get_rng_tracker
+    from zkit_pipeline.tensor_parallel.rng_tracker import get_rng_tracker
 
     saved = (state or {}).get("rng_tracker")
     if saved:

@@ -5,7 +5,7 @@ which is how tests and benchmarks check the parallel versions against it.
 
 Dropout on the replicated residual stream uses the default generator (seeded equally over the
 tensor group); dropout on a rank's own attention heads uses the tensor-parallel RNG state (see
-:mod:`zkit_pipeline.tensor_parallel.rng`).
+:mod:`zkit_pipeline.tensor_parallel.rng_tracker`).
 """
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from zkit_pipeline.tensor_parallel import (
 
 
 @attrs.frozen(kw_only=True)
-class GPTConfig:
+class TensorParallelGPTConfig:
     vocab_size: int = 256
     seq_len: int = 32
     d_model: int = 64
@@ -42,7 +42,7 @@ def _tp(comm: Any) -> int:
 
 
 class ParallelAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig, comm: Any, seed: int) -> None:
+    def __init__(self, cfg: TensorParallelGPTConfig, comm: Any, seed: int) -> None:
         super().__init__()
         if cfg.n_heads % _tp(comm):
             raise ValueError(f"n_heads ({cfg.n_heads}) must be divisible by the tensor-parallel size ({_tp(comm)})")
@@ -65,7 +65,7 @@ class ParallelAttention(nn.Module):
 
 
 class ParallelMLP(nn.Module):
-    def __init__(self, cfg: GPTConfig, comm: Any, seed: int) -> None:
+    def __init__(self, cfg: TensorParallelGPTConfig, comm: Any, seed: int) -> None:
         super().__init__()
         self.fc1 = ColumnParallelLinear(cfg.d_model, 4 * cfg.d_model, comm, seed=seed)
         self.fc2 = RowParallelLinear(4 * cfg.d_model, cfg.d_model, comm, seed=seed + 1)
@@ -74,10 +74,10 @@ class ParallelMLP(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-class Block(nn.Module):
+class TensorParallelBlock(nn.Module):
     """Pre-norm transformer block; its input and output are replicated over the tensor group."""
 
-    def __init__(self, cfg: GPTConfig, comm: Any, index: int) -> None:
+    def __init__(self, cfg: TensorParallelGPTConfig, comm: Any, index: int) -> None:
         super().__init__()
         seed = cfg.seed + 100 * (index + 1)
         self.ln1, self.ln2 = nn.LayerNorm(cfg.d_model), nn.LayerNorm(cfg.d_model)
@@ -93,7 +93,7 @@ class Block(nn.Module):
 class Embedding(nn.Module):
     """Token (vocab-parallel) plus position embeddings."""
 
-    def __init__(self, cfg: GPTConfig, comm: Any) -> None:
+    def __init__(self, cfg: TensorParallelGPTConfig, comm: Any) -> None:
         super().__init__()
         self.tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, comm, seed=cfg.seed)
         self.positions = nn.Parameter(torch.zeros(cfg.seq_len, cfg.d_model, device="cpu"))
@@ -106,7 +106,7 @@ class Embedding(nn.Module):
 class LMHead(nn.Module):
     """Final norm and vocab-parallel logits, using the embedding's weight slice (tied)."""
 
-    def __init__(self, cfg: GPTConfig, comm: Any, embedding: VocabParallelEmbedding) -> None:
+    def __init__(self, cfg: TensorParallelGPTConfig, comm: Any, embedding: VocabParallelEmbedding) -> None:
         super().__init__()
         self.comm = comm
         self.ln = nn.LayerNorm(cfg.d_model)
@@ -119,13 +119,13 @@ class LMHead(nn.Module):
 class TensorParallelGPT(nn.Module):
     """``model(ids)`` returns vocab-parallel logits; ``model.loss(logits, targets)`` the mean loss."""
 
-    def __init__(self, cfg: GPTConfig, comm: Any = None) -> None:
+    def __init__(self, cfg: TensorParallelGPTConfig, comm: Any = None) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_heads:
             raise ValueError(f"d_model ({cfg.d_model}) must be divisible by n_heads ({cfg.n_heads})")
         self.cfg, self.comm = cfg, comm
         self.embed = Embedding(cfg, comm)
-        self.blocks = nn.ModuleList(Block(cfg, comm, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(TensorParallelBlock(cfg, comm, i) for i in range(cfg.n_layers))
         self.head = LMHead(cfg, comm, self.embed.tokens)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -143,7 +143,7 @@ def _tied_logits(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:
     return F.linear(copy_to_group(x, embedding.tokens.comm), embedding.tokens.weight)
 
 
-def pipeline_layers(cfg: GPTConfig, comm: Any = None) -> list[Any]:
+def pipeline_layers(cfg: TensorParallelGPTConfig, comm: Any = None) -> list[Any]:
     """The same GPT as a layer list for :class:`~zkit_pipeline.PipelineModule`: the embedding
     (tokens and positions) is a :class:`~zkit_pipeline.TiedLayerSpec` that the LM head on the last
     stage uses again, so it starts from the same weights as ``TensorParallelGPT(cfg)``."""
@@ -151,7 +151,7 @@ def pipeline_layers(cfg: GPTConfig, comm: Any = None) -> list[Any]:
 
     return [
         TiedLayerSpec("embed", Embedding, cfg, comm),
-        *(LayerSpec(Block, cfg, comm, i) for i in range(cfg.n_layers)),
+        *(LayerSpec(TensorParallelBlock, cfg, comm, i) for i in range(cfg.n_layers)),
         LayerSpec(nn.LayerNorm, cfg.d_model),
         TiedLayerSpec("embed", Embedding, cfg, comm, forward_fn=_tied_logits),
     ]

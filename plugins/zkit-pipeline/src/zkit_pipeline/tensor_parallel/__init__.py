@@ -16,7 +16,7 @@ from zkit_pipeline.tensor_parallel.mappings import (
     scatter_to_group,
 )
 from zkit_pipeline.tensor_parallel.module import TensorParallelModule
-from zkit_pipeline.tensor_parallel.rng import (
+from zkit_pipeline.tensor_parallel.rng_tracker import (
     RNGStatesTracker,
     get_rng_tracker,
     model_parallel_seed,

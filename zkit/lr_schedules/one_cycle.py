@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from zkit.optim import params as check
-from zkit.schedules.lr_schedules import LRSchedule
+from zkit.lr_schedules.warmup import LRSchedule
 
 
 class OneCycle(LRSchedule):

@@ -1,6 +1,6 @@
 """Activation checkpointing: recompute a region's activations in backward instead of keeping them.
 
-    import zkit.activations.checkpointing as ckpt
+    import zkit.activations.recompute as ckpt
     ckpt.configure(engine)                     # the config's "activation_checkpointing" section
     y = ckpt.checkpoint(block, x)              # one region
     ckpt.apply(model, "every_k:2")             # or wrap blocks by policy; ckpt.remove(model) undoes
@@ -9,7 +9,7 @@ Non-reentrant by default (``torch.utils.checkpoint`` with ``use_reentrant=False`
 used in several regions gets its gradient accumulated once, by the single backward pass, so
 ZeRO's gradient hooks fire once per parameter. The RNG state is restored for recomputation, so
 dropout draws the same masks (the default generators, and zkit-pipeline's tensor-parallel
-stream, see :mod:`zkit.activations.rng`). What the DeepSpeed keys do is in ``docs/memory.md``.
+stream, see :mod:`zkit.activations.replayed_rng`). What the DeepSpeed keys do is in ``docs/memory.md``.
 Under ``torch.compile`` a region compiles into the surrounding graph unless an option needs
 bookkeeping around it (:mod:`zkit.activations.tracing`).
 """
@@ -27,13 +27,13 @@ import torch
 import torch.utils.checkpoint as torch_checkpoint
 
 from zkit.activations.policy import CheckpointWrapper, Policy, remove, select_blocks, wrap
-from zkit.activations.rng import TrackerStates, register_rng_tracker
+from zkit.activations.replayed_rng import TrackerStates, register_rng_tracker
 from zkit.activations.settings import CheckpointSettings, as_communicator, assembly_of, section_from
 from zkit.activations.storage import InputStore
 from zkit.activations.tracing import eager_reasons
 from zkit.core.config.load import _read_json
 
-log = logging.getLogger("zkit.activations.checkpointing")
+log = logging.getLogger("zkit.activations.recompute")
 
 __all__ = [
     "CheckpointSettings",

@@ -10,8 +10,8 @@ import torch
 
 import zkit
 from zkit.optim import params as check
-from zkit.schedules.lr_schedules import LRRangeTest, LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from zkit.schedules.one_cycle import OneCycle
+from zkit.lr_schedules.warmup import LRRangeTest, LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zkit.lr_schedules.one_cycle import OneCycle
 from zkit.core.records import SchedulerRecord
 
 

@@ -1,6 +1,6 @@
 """DeepSpeed's learning-rate schedules with DeepSpeed's parameter names and formulas:
 ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and ``LRRangeTest`` (``OneCycle`` lives in
-:mod:`zkit.schedules.one_cycle`).
+:mod:`zkit.lr_schedules.one_cycle`).
 
 Every schedule is a pure function of the iteration, ``lr_at(i)``; ``step()`` advances
 ``last_batch_iteration`` by one (or to the value given) and writes ``lr_at`` into each param group.
