@@ -4,7 +4,8 @@ import pytest
 
 import zkit
 from zkit.core.plugin_manager import PluginError, get_plugin_manager
-from zkit.core.records import FAMILIES, ConfigSectionRecord, OptimizerRecord, SchedulerRecord
+from zkit.core.config import ConfigError, load_config
+from zkit.core.records import FAMILIES, ConfigSectionRecord, OptimizerRecord, ProviderRecord, SchedulerRecord
 from zkit.core.stack import Stack, merge_plugin_stacks
 
 
@@ -43,6 +44,56 @@ def test_unknown_name_of_a_known_distribution_says_what_to_install():
     pm = get_plugin_manager(autoload=False)
     with pytest.raises(PluginError, match=r"provided by the distribution 'zkit-onebit': pip install zkit-onebit"):
         pm.lookup("optimizer", "OneBitAdam")
+
+
+def _provider_plugin(label, *records):
+    class Plugin:
+        __module__ = label
+
+        @zkit.hookimpl
+        def zkit_register_providers(self):
+            yield from records
+
+    return Plugin()
+
+
+def test_an_installed_distribution_names_what_to_install_for_another_the_kernel_knows_nothing_of():
+    """The kernel holds no catalogue: a distribution that is installed declares which one provides
+    a name, and the unknown name and the config key then say what to install."""
+    acme = _provider_plugin("acme_base", ProviderRecord(kind="optimizer", name="AcmeAdam", provider="acme-kernels"),
+                            ProviderRecord(kind="config", name="acme", provider="acme-kernels"))
+    pm = get_plugin_manager(autoload=False, extra_plugins=[acme])
+    assert pm.provider("optimizer", "acmeadam").dist == "acme_base"
+    with pytest.raises(PluginError, match=r"optimizer 'AcmeAdam' is provided by the distribution 'acme-kernels': "
+                                          r"pip install acme-kernels$"):
+        pm.lookup("optimizer", "AcmeAdam")
+    with pytest.raises(ConfigError, match=r"config key 'acme' is provided by the distribution 'acme-kernels', which "
+                                          r"is not installed: pip install acme-kernels"):
+        load_config({"train_batch_size": 1, "acme": {"x": 1}}, world_size=1, sections=pm.config_sections(),
+                    providers=pm.config_providers())
+    assert load_config({"train_batch_size": 1, "acme": None}, world_size=1, sections=pm.config_sections(),
+                       providers=pm.config_providers()).train_batch_size == 1
+
+
+def test_two_distributions_naming_the_provider_of_one_name_are_refused_naming_both():
+    pm = get_plugin_manager(autoload=False, extra_plugins=[
+        _provider_plugin("acme_base", ProviderRecord(kind="optimizer", name="cpu_adam", provider="acme-kernels"))])
+    with pytest.raises(PluginError, match=r"two provider records are named 'optimizer cpu_adam': one from 'zkit', "
+                                          r"one from 'acme_base'"):
+        pm.lookup("optimizer", "nothing")
+
+
+def test_a_plugin_slot_of_a_built_in_section_that_nothing_fills_takes_only_null(monkeypatch):
+    """zero_optimization's offload keys are slots for a plugin's sections: with neither a section
+    nor a record naming the distribution, a value that asks for something is refused, not kept."""
+    pm = get_plugin_manager(autoload=False, blocked=["zkit.distributions"])
+    assert not pm.config_providers()
+    base = {"train_batch_size": 1, "zero_optimization": {"stage": 2, "offload_optimizer": None}}
+    load_config(base, world_size=1, sections=pm.config_sections(), providers=pm.config_providers())
+    with pytest.raises(ConfigError, match=r"config key 'zero_optimization.offload_optimizer' \(device 'cpu'\) is "
+                                          r"filled by a plugin's section, and no installed plugin registers one"):
+        load_config({**base, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+                    world_size=1, sections=pm.config_sections(), providers=pm.config_providers())
 
 
 def test_blocking_a_builtin_removes_its_records():
@@ -183,7 +234,27 @@ def test_registration_hooks_are_called_through_pluggy():
     for family in FAMILIES:
         pm.records(family)
     pm.checkpoint_formats()
+    pm.providers()
     assert {name for name, _ in wrapped} == set(REGISTRATION_HOOKS)
     assert all(count == 1 for _, count in wrapped)  # one call per answering plugin, each wrapped
     for hook_name in ("zkit_register_optimizers", "zkit_config_sections"):
         assert (hook_name, [third_party, wrapper]) in monitored
+
+
+def test_a_user_stack_overriding_the_allocator_a_plugin_needs_is_refused_with_the_plugin_s_reason():
+    """The kernel's rule names no distribution: the plugin's stack says why it chose the allocator."""
+    from zkit.core.stack import configure
+
+    class Needy:
+        __module__ = "acme_memory"
+
+        @zkit.hookimpl
+        def zkit_configure(self, config):
+            return Stack(allocator="flat", reason="acme.pool asks for pooled buffers")
+
+    pm = get_plugin_manager(autoload=False, extra_plugins=[Needy()])
+    config = load_config({"train_batch_size": 1}, world_size=1, sections=pm.config_sections())
+    with pytest.raises(ValueError, match=r"the config needs allocator 'flat' \(chosen by plugin '.*' for what the "
+                                         r"config asks: acme.pool asks for pooled buffers\), but "
+                                         r"zkit.Stack\(allocator='other'\) chooses another"):
+        configure(pm, Stack(allocator="other"), config)

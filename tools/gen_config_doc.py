@@ -14,8 +14,9 @@ import attrs
 
 from zkit.core.config.fields import config_fields, describe, is_section_type, type_options
 from zkit.core.config.load import builtin_section_paths, section_paths
-from zkit.core.config.plugin_keys import PLUGIN_KEYS
-from zkit.core.plugin_manager import BUILTIN_PLUGINS, builtin_config_sections, builtin_section_owners
+from zkit.core.plugin_manager import (
+    BUILTIN_PLUGINS, builtin_config_providers, builtin_config_sections, builtin_section_owners,
+)
 
 INTRO = """\
 # Configuration reference
@@ -64,7 +65,9 @@ error (DeepSpeed floors them):
 
 These keys are structured by the plugin that owns them when it is installed. Without it, only a
 value that asks for nothing is accepted (`null`, or `{"device": "none"}` for the offload
-sections); anything else is an error naming the distribution to install.
+sections); anything else is an error naming the distribution to install. The list is not the
+kernel's: it is what zkit's built-in `zkit.distributions` declares (`zkit_register_providers`), and
+any installed distribution may declare more.
 
 | key | distribution |
 |---|---|
@@ -115,8 +118,8 @@ def _table(cls: type, out: TextIO) -> None:
 
 def write(out: TextIO) -> None:
     out.write(INTRO)
-    for path, key in PLUGIN_KEYS.items():
-        out.write(f"| `{path}` | `{key.dist}` |\n")
+    for path, key in builtin_config_providers().items():
+        out.write(f"| `{path}` | `{key.provider}` |\n")
     out.write(OLD_NAMES)
     kernel = builtin_section_paths()
     for path, cls in kernel.items():

@@ -10,7 +10,7 @@ from zkit.core import hookspecs
 REGISTRATION = [
     "zkit_register_partitioners", "zkit_register_communicators", "zkit_register_optimizers",
     "zkit_register_schedulers", "zkit_register_allocators", "zkit_register_attention",
-    "zkit_register_checkpoint_formats", "zkit_config_sections",
+    "zkit_register_checkpoint_formats", "zkit_register_providers", "zkit_config_sections",
 ]
 
 

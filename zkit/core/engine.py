@@ -27,7 +27,7 @@ from zkit.core.compile import compile_in_place, compile_module, is_compiled, unw
 from zkit.core.config import ZkitConfig, load_config
 from zkit.core.microstep import MicroStep
 from zkit.core.partitioner import PartitionContext, Partitioner, built_partitioned
-from zkit.core.plugin_manager import ZkitPluginManager, get_plugin_manager
+from zkit.core.plugin_manager import ZkitPluginManager, builtin_implementers, get_plugin_manager
 from zkit.core.precision import LossScaler, cast_model
 from zkit.core.records import OptimizerRecord
 from zkit.core.stack import Stack, configure
@@ -66,7 +66,8 @@ def initialize(
     if model is None:
         raise ValueError("zkit.initialize needs model=")
     if mpu is not None:
-        raise ValueError("mpu= is not supported: tensor/pipeline groups come from zkit-pipeline's topology")
+        raise ValueError("mpu= is not supported: tensor and pipeline groups come with the model (a pipeline plugin's "
+                         "topology gives each stage its data_parallel_group)")
     if config is None:
         config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
     if config is None:
@@ -113,7 +114,8 @@ class Engine(torch.nn.Module):
         # that group: batch arithmetic and the partitioner's collectives use it, not the world.
         dp_group = getattr(model, "data_parallel_group", None)
         world = torch.distributed.get_world_size(dp_group)
-        self.config: ZkitConfig = load_config(config, world_size=world, sections=self.pm.config_sections())
+        self.config: ZkitConfig = load_config(config, world_size=world, sections=self.pm.config_sections(),
+                                              providers=self.pm.config_providers())
         if self.config.seed is not None:
             _seed_everything(self.config.seed)
         self.device = distributed.default_device()
@@ -196,9 +198,11 @@ class Engine(torch.nn.Module):
             return None
         group = self.pm.hook.zkit_sequence_parallel(engine=self, size=size)
         if group is None:
+            provider = self.pm.provider("hook", "zkit_sequence_parallel")
+            install = f"{provider.install()}, or" if provider is not None else "install a plugin that does, or"
             raise ValueError(
                 f"config key 'sequence_parallel_size' is {size}, but no plugin provides sequence parallelism (none "
-                f"answers the hook zkit_sequence_parallel): pip install zkit-sequence, or set it to 1"
+                f"answers the hook zkit_sequence_parallel): {install} set it to 1"
             )
         return group
 
@@ -232,8 +236,7 @@ class Engine(torch.nn.Module):
         # evaluation, as DeepSpeed allows
         self.inference_only = client is None
         record = self.pm.hook.zkit_client_optimizer(engine=self, optimizer=client)
-        return _answered(record, f"zkit.initialize(optimizer={_given(client)})", "zkit_client_optimizer",
-                         "zkit.optim_torch"), {}
+        return _answered(record, f"zkit.initialize(optimizer={_given(client)})", "zkit_client_optimizer"), {}
 
     def _lr_scheduler(self, client: Any) -> Any:
         record = self.records["scheduler"]
@@ -245,8 +248,7 @@ class Engine(torch.nn.Module):
         if client is None:
             return None
         scheduler = self.pm.hook.zkit_client_lr_scheduler(engine=self, lr_scheduler=client)
-        return _answered(scheduler, f"zkit.initialize(lr_scheduler={_given(client)})", "zkit_client_lr_scheduler",
-                        "zkit.optim_torch")
+        return _answered(scheduler, f"zkit.initialize(lr_scheduler={_given(client)})", "zkit_client_lr_scheduler")
 
     def _dataloader(self, data: Any, collate_fn: Any) -> torch.utils.data.DataLoader:
         sampler = torch.utils.data.DistributedSampler(
@@ -528,7 +530,7 @@ class Engine(torch.nn.Module):
         module state (DeepSpeed's argument); a load then keeps the model's own values for them."""
         self._require_on_device("save_checkpoint")
         found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(save_dir), tag=tag, operation="save")
-        save = _answered(found, "engine.save_checkpoint", "zkit_checkpoint_format", _CHECKPOINTS).operation("save")
+        save = _answered(found, "engine.save_checkpoint", "zkit_checkpoint_format").operation("save")
         with phases.phase("save_checkpoint"):
             return save(self, save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
                         exclude_frozen_parameters=exclude_frozen_parameters)
@@ -578,7 +580,7 @@ class Engine(torch.nn.Module):
             saved = self.pm.hook.zkit_save_16bit_model(
                 engine=self, path=Path(save_dir) / save_filename, exclude_frozen_parameters=exclude_frozen_parameters
             )
-        return bool(_answered(saved, "engine.save_16bit_model", "zkit_save_16bit_model", _CHECKPOINTS))
+        return bool(_answered(saved, "engine.save_16bit_model", "zkit_save_16bit_model"))
 
     def consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
         """At ZeRO stage 3: the model's ``state_dict`` whole, in its training dtype, on rank 0's
@@ -587,7 +589,7 @@ class Engine(torch.nn.Module):
         state = self.pm.hook.zkit_consolidated_16bit_state_dict(
             engine=self, exclude_frozen_parameters=exclude_frozen_parameters
         )
-        _answered(state, "engine.consolidated_16bit_state_dict", "zkit_consolidated_16bit_state_dict", _CHECKPOINTS)
+        _answered(state, "engine.consolidated_16bit_state_dict", "zkit_consolidated_16bit_state_dict")
         return state if self.world_comm.rank == 0 else None
 
     #: DeepSpeed's name, which Accelerate and transformers call
@@ -607,7 +609,7 @@ class Engine(torch.nn.Module):
         Nothing to load (no tag, no ``latest`` file) is DeepSpeed's warning and ``(None, None)``."""
         self._require_open("load_checkpoint")
         found = self.pm.hook.zkit_checkpoint_format(engine=self, path=Path(load_dir), tag=tag, operation="load")
-        load = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format", _CHECKPOINTS).operation("load")
+        load = _answered(found, "engine.load_checkpoint", "zkit_checkpoint_format").operation("load")
         with phases.phase("load_checkpoint"):
             return load(self, Path(load_dir), tag,
                         load_optimizer_states=load_optimizer_states and not load_module_only,
@@ -636,13 +638,10 @@ NO_OPTIMIZER = (
 )
 
 
-#: the built-in plugin that answers the checkpoint hooks
-_CHECKPOINTS = "zkit.checkpoint_formats"
-
-
-def _answered(result: Any, where: str, hook: str, builtin: str) -> Any:
+def _answered(result: Any, where: str, hook: str) -> Any:
     """A ``firstresult`` hook's answer, refused when no plugin gave one (the built-in blocked)."""
     if result is None:
+        builtin = " or ".join(builtin_implementers(hook)) or "(none)"
         raise RuntimeError(f"{where}: no plugin answers the hook {hook} (the built-in {builtin} provides it: is it "
                            f"blocked?)")
     return result

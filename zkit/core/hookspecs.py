@@ -43,6 +43,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
         ConfigSectionRecord,
         OptimizerRecord,
         PartitionerRecord,
+        ProviderRecord,
         SchedulerRecord,
     )
     from zkit.core.stack import Stack
@@ -157,10 +158,28 @@ def zkit_config_sections() -> Iterable[ConfigSectionRecord]:
     """Yield :class:`~zkit.core.records.ConfigSectionRecord` s for the config keys the plugin owns
     (``"sparse_attention"``, ``"zero_optimization.offload_optimizer"``). The loader structures the
     user's dict into the record's attrs ``schema`` and rejects unknown keys with the closest valid
-    one. A key that zkit knows belongs to a distribution that is not installed is an error naming
-    the distribution to install. Read the section back with ``config.section(path)`` (``None`` when
+    one. A key that an installed distribution's :class:`~zkit.core.records.ProviderRecord` says
+    another distribution provides (:func:`zkit_register_providers`) is, without that one, an error
+    naming it. Read the section back with ``config.section(path)`` (``None`` when
     the user gave none, unless the record sets ``default_when_absent``: then the schema's
     defaults)."""
+
+
+@hookspec
+def zkit_register_providers() -> Iterable[ProviderRecord]:
+    """Yield :class:`~zkit.core.records.ProviderRecord` s naming the distribution that provides a
+    record name, a config key or a hook's answer, for when it is *not* installed: an unknown name,
+    a config key nothing installed registers, or an unanswered hook is then an error saying what
+    to install. A distribution that is installed registers its names itself; these records are
+    for the distributions it knows of that may be missing (zkit's built-in ``zkit.distributions``
+    answers for the distributions zkit ships apart). Two records for one name are an error naming
+    both distributions. Example::
+
+        @zkit.hookimpl
+        def zkit_register_providers():
+            yield ProviderRecord(kind="optimizer", name="myadam", provider="my-zkit-kernels")
+            yield ProviderRecord(kind="config", name="my_section", provider="my-zkit-kernels")
+    """
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,7 +7,8 @@
   distribution name.
 * ``ZKIT_TRACE=1`` logs every hook call and its results to stderr.
 * Two records with one name in one family is an error naming both distributions; an unknown name
-  lists the valid ones (and the distribution to install, when zkit knows which provides it).
+  lists the valid ones, and the distribution to install when an installed one's
+  :class:`~zkit.core.records.ProviderRecord` names it (the kernel knows no distribution).
 """
 from __future__ import annotations
 
@@ -22,26 +23,11 @@ import attrs
 import pluggy
 
 from zkit.core import hookspecs
-from zkit.core.records import FAMILIES, RECORD_OF_FAMILY, CheckpointFormatRecord, ConfigSectionRecord, Record
+from zkit.core.records import (
+    FAMILIES, RECORD_OF_FAMILY, CheckpointFormatRecord, ConfigSectionRecord, ProviderRecord, Record,
+)
 
 ENTRY_POINT_GROUP = "zkit"
-
-#: Names that zkit knows a separate distribution provides, so that "unknown" can say what to install.
-KNOWN_PROVIDERS: dict[tuple[str, str], str] = {
-    ("optimizer", "onebitadam"): "zkit-onebit",
-    ("communicator", "onebit"): "zkit-onebit",
-    ("optimizer", "cpu_adam"): "zkit-offload",
-    ("optimizer", "cpu_adamw"): "zkit-offload",
-    ("allocator", "host"): "zkit-offload",
-    ("allocator", "nvme"): "zkit-offload",
-    ("attention", "block_sparse"): "zkit-sparse",
-    ("attention", "ulysses"): "zkit-sequence",
-    ("scheduler", "1f1b"): "zkit-pipeline",
-    ("scheduler", "gpipe"): "zkit-pipeline",
-    ("scheduler", "interleaved_1f1b"): "zkit-pipeline",
-    ("scheduler", "zb_h1"): "zkit-pipeline",
-}
-
 
 class PluginError(ValueError):
     """A plugin problem the user must fix: a duplicate or unknown name, a bad hook."""
@@ -57,13 +43,14 @@ class ZkitPluginManager(pluggy.PluginManager):
         self._records: dict[str, dict[str, Record]] | None = None
         self._sections: dict[str, ConfigSectionRecord] | None = None
         self._formats: dict[str, CheckpointFormatRecord] | None = None
+        self._providers: dict[tuple[str, str], ProviderRecord] | None = None
 
     # -- registration -------------------------------------------------------------------------
     def register(self, plugin: Any, name: str | None = None, dist: str | None = None) -> str | None:
         result = super().register(plugin, name=name)
         if result is not None:
             self._dists[id(plugin)] = dist or _dist_of(plugin)
-        self._records = self._sections = self._formats = None
+        self._records = self._sections = self._formats = self._providers = None
         return result
 
     def load_entrypoints(self, only: Iterable[str] | None = None) -> None:
@@ -152,10 +139,28 @@ class ZkitPluginManager(pluggy.PluginManager):
         close = difflib.get_close_matches(key, list(records), n=1)
         if close:
             msg += f". Did you mean {close[0]!r}?"
-        provider = KNOWN_PROVIDERS.get((family, key))
-        if provider:
-            msg += f" {family} {name!r} is provided by the distribution {provider!r}: pip install {provider}"
+        provider = self.provider(family, key)
+        if provider is not None:
+            msg += f" {family} {name!r} is provided by the distribution {provider.provider!r}: {provider.install()}"
         raise PluginError(msg)
+
+    def providers(self) -> dict[tuple[str, str], ProviderRecord]:
+        """``{(kind, name): record}`` of what the installed distributions say other distributions
+        provide (:func:`zkit.core.hookspecs.zkit_register_providers`)."""
+        if self._providers is None:
+            self._providers = {_provided(r.kind, r.name): r for r in self._named(
+                "zkit_register_providers", "provider", ProviderRecord, lambda r: (" ".join(_provided(r.kind, r.name)),)
+            ).values()}
+        return self._providers
+
+    def provider(self, kind: str, name: str) -> ProviderRecord | None:
+        """The record naming the distribution that provides ``name`` of ``kind``, if one is declared."""
+        return self.providers().get(_provided(kind, name))
+
+    def config_providers(self) -> dict[str, ProviderRecord]:
+        """``{dotted path: record}`` of the config keys installed distributions say another
+        distribution provides: what :func:`zkit.core.config.load_config` takes as ``providers``."""
+        return {name: rec for (kind, name), rec in self.providers().items() if kind == "config"}
 
     def config_sections(self) -> dict[str, ConfigSectionRecord]:
         """``{dotted path: record}`` of every config section a plugin owns."""
@@ -184,6 +189,11 @@ class ZkitPluginManager(pluggy.PluginManager):
         """Call each implementation of a hook with its own ``state`` from ``per_plugin``."""
         for _ in self.call_per_plugin(hook_name, lambda name: {**kwargs, "state": per_plugin.get(name, {})}):
             pass
+
+
+def _provided(kind: str, name: str) -> tuple[str, str]:
+    """A provided name's key: record names are case-insensitive, config keys are not."""
+    return kind, name if kind == "config" else name.strip().lower()
 
 
 def _dist_of(plugin: Any) -> str:
@@ -219,6 +229,7 @@ BUILTIN_PLUGINS = (
     ("zkit.telemetry", "zkit.telemetry.plugin"),
     ("zkit.host_memory", "zkit.host_memory.plugin"),
     ("zkit.deepspeed_only", "zkit.deepspeed_only.plugin"),
+    ("zkit.distributions", "zkit.distributions"),
 )
 
 
@@ -234,6 +245,25 @@ def builtin_section_owners() -> dict[str, str]:
     """``{dotted path: built-in plugin name}`` of every section zkit's own plugins own, blocked or
     not: so that a key of a blocked built-in is refused naming the plugin to unblock."""
     return {path: owner for path, (owner, _) in _builtin_section_table().items()}
+
+
+def builtin_config_providers() -> dict[str, ProviderRecord]:
+    """``{dotted path: record}`` of the config keys zkit's own plugins say a distribution provides:
+    what :func:`zkit.core.config.load_config` checks a key nothing registers against when it is
+    given no ``providers``."""
+    found = {}
+    for name, module in BUILTIN_PLUGINS:
+        hook = getattr(importlib.import_module(module), "zkit_register_providers", None)
+        for rec in (hook() if hook is not None else ()):
+            if rec.kind == "config":
+                found[rec.name] = attrs.evolve(rec, dist="zkit")
+    return found
+
+
+def builtin_implementers(hook_name: str) -> list[str]:
+    """The names of zkit's own plugins that implement ``hook_name``, blocked or not: what an
+    error about a hook nothing answers names to unblock."""
+    return [name for name, module in BUILTIN_PLUGINS if hasattr(importlib.import_module(module), hook_name)]
 
 
 _BUILTIN_SECTIONS: dict[str, tuple[str, ConfigSectionRecord]] = {}

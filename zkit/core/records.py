@@ -195,6 +195,36 @@ class ConfigSectionRecord:
     default_when_absent: bool = False
 
 
+def _absent(value: Any) -> bool:
+    return value is None
+
+
+@attrs.frozen(kw_only=True)
+class ProviderRecord:
+    """Which distribution provides a name, so that asking for the name without that distribution
+    installed is an error saying what to install. The kernel keeps no such list: installed
+    distributions yield these records (zkit's own ``zkit.distributions`` for the distributions
+    zkit ships apart), since one that is not installed can say nothing.
+
+    ``kind`` is a record family (``"optimizer"``, ``"allocator"``...), ``"config"`` (``name`` is a
+    dotted config key) or ``"hook"`` (``name`` is a hook whose answer the distribution gives).
+    ``provider`` is the distribution to install. ``inert(value)``, for config keys: the value asks
+    for nothing (``null``; an offload ``device`` of ``"none"``) and is fine without the
+    distribution.
+    """
+
+    kind: str
+    name: str
+    provider: str
+    inert: Callable[[Any], bool] = _absent
+    #: set by the plugin manager: the distribution (or ``"zkit"``) that declared the record.
+    dist: str = ""
+
+    def install(self) -> str:
+        """What the user runs: ``pip install <provider>``."""
+        return f"pip install {self.provider}"
+
+
 @attrs.frozen(kw_only=True)
 class CheckpointFormatRecord:
     """A checkpoint format: how to recognise a directory holding one, and what zkit can do with it.

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import attrs
 
-from zkit.core.plugin_manager import BUILTIN_PLUGINS
+from zkit.core.plugin_manager import BUILTIN_PLUGINS, builtin_implementers, builtin_section_owners
 from zkit.core.records import FAMILIES, RECORD_OF_FAMILY, Record
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,6 +46,9 @@ class Stack:
     attention: Any = attrs.field(default=None, validator=_choice("attention"))
     #: extra plugin objects (modules or instances with ``@zkit.hookimpl`` functions) to register.
     plugins: tuple[Any, ...] = attrs.field(default=(), converter=tuple)
+    #: why a plugin's ``zkit_configure`` makes these choices (what the config asks for): an error
+    #: refusing a user's stack that overrides its allocator says it (not part of what is chosen)
+    reason: str = attrs.field(default="", eq=False)
 
     def __or__(self, other: "Stack") -> "Stack":
         if not isinstance(other, Stack):
@@ -80,19 +83,18 @@ def merge_plugin_stacks(answers: Iterable[tuple[str, Stack]]) -> Stack:
 
 def _refuse_overridden_allocator(answers: dict[str, Any], from_plugins: Stack, stack: Stack) -> None:
     """A plugin chooses an allocator because the config asks for what only that allocator does
-    (zkit-offload's ``host``/``nvme`` for the offload sections): a user stack naming another one
-    would drop that request silently, so it is refused, naming both. (The user's stack wins for
-    the other families: an optimizer it names is checked against the allocator at initialize.)"""
+    (the stack's ``reason`` says what): a user stack naming another one would drop that request
+    silently, so it is refused, naming both. (The user's stack wins for the other families: an
+    optimizer it names is checked against the allocator at initialize.)"""
     if from_plugins.allocator is None or stack.allocator is None:
         return
     if _key(from_plugins.allocator) == _key(stack.allocator):
         return
-    plugin = next(name for name, s in answers.items() if isinstance(s, Stack) and s.allocator is not None)
+    plugin, chosen = next((name, s) for name, s in answers.items() if isinstance(s, Stack) and s.allocator is not None)
     raise ValueError(
         f"the config needs allocator {_key(from_plugins.allocator)!r} (chosen by plugin {plugin!r} for what the "
-        f"config asks, e.g. zero_optimization.offload_optimizer/offload_param), but zkit.Stack(allocator="
-        f"{_key(stack.allocator)!r}) chooses another, which would not do it: drop the offload sections, or "
-        f"the Stack's allocator"
+        f"config asks: {chosen.reason or 'it says not what'}), but zkit.Stack(allocator={_key(stack.allocator)!r}) "
+        f"chooses another, which would not do it: drop what the config asks for it, or the Stack's allocator"
     )
 
 
@@ -112,6 +114,17 @@ def config_choice(family: str, config: "ZkitConfig") -> str | None:
     return {"communicator": "torch", "allocator": "flat", "attention": "dense"}[family]
 
 
+def _no_partitioner() -> str:
+    """Why no partitioner is chosen: the built-in plugin that registers partitioners (and chooses
+    one from its config section) is blocked, and nothing else chose one."""
+    owner = builtin_implementers("zkit_register_partitioners")[0]
+    section = min((path for path, name in builtin_section_owners().items() if name == owner), key=len,
+                  default="its section")
+    return (f"no partitioner is chosen: the config's {section}.stage chooses one through the built-in plugin "
+            f"{owner!r}, which is blocked (ZKIT_BLOCK_PLUGINS or zkit -p no:{owner}), and no other plugin chose "
+            f"one. Pass zkit.Stack(partitioner=NAME) with a partitioner record's name, or unblock {owner}")
+
+
 def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict[str, Record | None]:
     """The record of every family: the stack's choice, else the config's (else the optimizer's
     own communicator), else the default."""
@@ -122,12 +135,7 @@ def resolve(stack: Stack, config: "ZkitConfig", pm: "ZkitPluginManager") -> dict
             choice = config_choice(family, config)
         if choice is None:
             if family == "partitioner":
-                raise ValueError(
-                    "no partitioner is chosen: the config's zero_optimization.stage chooses one through the "
-                    "built-in plugin 'zkit.partitioners', which is blocked (ZKIT_BLOCK_PLUGINS or zkit -p "
-                    "no:zkit.partitioners), and no other plugin chose one. Pass zkit.Stack(partitioner=NAME) "
-                    "with a partitioner record's name, or unblock zkit.partitioners"
-                )
+                raise ValueError(_no_partitioner())
             out[family] = None
         elif isinstance(choice, Record):
             out[family] = choice

@@ -3,7 +3,7 @@ its plugin registers it (:func:`zkit.zero.plugin.zkit_config_sections`) and choo
 its ``stage`` names. Read it with :func:`zero_config`.
 
 The offload sub-sections belong to the ``zkit-offload`` distribution (see
-:mod:`zkit.core.config.plugin_keys`); their fields here hold whatever that plugin's schema structured,
+:mod:`zkit.distributions` names it for when it is not installed); their fields here hold whatever that plugin's schema structured,
 or ``None`` for no offload.
 """
 import sys
@@ -115,10 +115,10 @@ class ZeroConfig:
         hint="zkit checkpoints are always reshardable to another world size",
     )
     offload_param: Any = setting(
-        None, doc="Offload parameters to CPU or NVMe (stage 3). Provided by zkit-offload."
+        None, doc="Offload parameters to CPU or NVMe (stage 3). Provided by zkit-offload.", plugin_slot=True
     )
     offload_optimizer: Any = setting(
-        None, doc="Offload optimizer states and step to CPU or NVMe. Provided by zkit-offload."
+        None, doc="Offload optimizer states and step to CPU or NVMe. Provided by zkit-offload.", plugin_slot=True
     )
     zenflow: dict | None = setting(
         None, unimplemented=lambda v: v is not None, doc="ZenFlow stall-free offloading."

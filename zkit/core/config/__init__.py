@@ -6,7 +6,6 @@
 """
 from zkit.core.config.errors import ConfigError, NotImplementedConfigError
 from zkit.core.config.load import load_config
-from zkit.core.config.plugin_keys import PLUGIN_KEYS
 from zkit.core.config.schema import ZkitConfig
 from zkit.core.config.sections import (
     BF16Config,
@@ -23,7 +22,6 @@ __all__ = [
     "FP16Config",
     "NotImplementedConfigError",
     "OptimizerConfig",
-    "PLUGIN_KEYS",
     "SchedulerConfig",
     "ZkitConfig",
     "load_config",

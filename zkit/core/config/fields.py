@@ -187,6 +187,7 @@ def setting(
     unimplemented: bool | Callable[[Any], bool] = False,
     edge: Callable[[Any], Any] | None = None,
     default_doc: str | None = None,
+    plugin_slot: bool = False,
 ) -> Any:
     """Declare one config key.
 
@@ -198,6 +199,9 @@ def setting(
     * ``unimplemented``: zkit does not implement the feature yet. ``True``: any non-default
       value is a :class:`NotImplementedConfigError`; a callable decides per value.
     * ``edge``: a normalizer the loader applies to the user's value before validation.
+    * ``plugin_slot``: the key holds a plugin's section (DeepSpeed's layout puts zkit-offload's
+      offload sections inside ``zero_optimization``): a plugin's record may take it, and without
+      one the value must ask for nothing.
     """
     checks = [check] if callable(check) else list(check or [])
     metadata = {
@@ -207,6 +211,7 @@ def setting(
         "edge": edge,
         "default_doc": default_doc,
         "checks": tuple(checks),
+        "plugin_slot": plugin_slot,
     }
     return attrs.field(default=default, validator=[check_type, *checks], metadata=metadata)
 

@@ -12,12 +12,11 @@ import attrs
 from zkit.core.config.batch import GAS, MICRO, TB, resolve_batch
 from zkit.core.config.errors import ConfigError
 from zkit.core.config.fields import config_fields, is_section_type, type_options
-from zkit.core.config.plugin_keys import PLUGIN_KEYS
 from zkit.core.config.scalars import plain_scalars
 from zkit.core.config.schema import ZkitConfig
 from zkit.core.config.structure import Context, structure
-from zkit.core.plugin_manager import builtin_config_sections, builtin_section_owners
-from zkit.core.records import ConfigSectionRecord
+from zkit.core.plugin_manager import builtin_config_providers, builtin_config_sections, builtin_section_owners
+from zkit.core.records import ConfigSectionRecord, ProviderRecord
 
 
 def load_config(
@@ -25,6 +24,7 @@ def load_config(
     *,
     world_size: int,
     sections: Mapping[str, ConfigSectionRecord] | None = None,
+    providers: Mapping[str, ProviderRecord] | None = None,
 ) -> ZkitConfig:
     """Validate a DeepSpeed-style config for ``world_size`` data-parallel ranks.
 
@@ -32,7 +32,9 @@ def load_config(
     ``world_size``, e.g. after an elastic restart). ``sections`` maps dotted paths to the
     :class:`~zkit.core.records.ConfigSectionRecord` s of the plugins loaded, zkit's own included
     (``plugin_manager.config_sections()``); by default those of zkit's own plugins
-    (``zero_optimization``...). Raises :class:`ConfigError` for every bad input.
+    (``zero_optimization``...). ``providers`` maps dotted paths that no section may register to
+    the :class:`~zkit.core.records.ProviderRecord` naming the distribution that provides them
+    (``plugin_manager.config_providers()``); by default what zkit's own plugins declare. Raises :class:`ConfigError` for every bad input.
     """
     if type(world_size) is not int or world_size < 1:
         raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
@@ -50,7 +52,7 @@ def load_config(
             f"got {type(source).__name__}"
         )
     _check_records(records)
-    return _load(data, world_size, records)
+    return _load(data, world_size, records, dict(builtin_config_providers() if providers is None else providers))
 
 
 def _read_json(path: Path) -> Any:
@@ -92,14 +94,15 @@ def _refuse_duplicates(path: Path):
     return build
 
 
-def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord]) -> ZkitConfig:
+def _load(data: Any, world_size: int, records: dict[str, ConfigSectionRecord],
+          providers: dict[str, ProviderRecord]) -> ZkitConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"the config must be a JSON object, got {data!r}")
     raw = copy.deepcopy(data)
     replicas = world_size // _sequence_parallel_size(data.get(SP), world_size)
     tb, micro, gas = resolve_batch(data.get(TB), data.get(MICRO), data.get(GAS), replicas)
     data = {**data, TB: tb, MICRO: micro, GAS: gas}
-    ctx = Context(sections=records, blocked={
+    ctx = Context(sections=records, providers=providers, blocked={
         path: owner for path, owner in builtin_section_owners().items() if path not in records
     })
     config = structure(ZkitConfig, data, "", ctx)
@@ -183,6 +186,7 @@ def _check_records(records: dict[str, Any]) -> None:
                 continue
             raise ConfigError(f"config section '{path}' {who}: '{parent}' is not a config section")
         holder = builtin.get(parent) or records[parent].schema
-        if path not in PLUGIN_KEYS and leaf in attrs.fields_dict(holder):
+        field = attrs.fields_dict(holder).get(leaf)
+        if field is not None and not field.metadata.get("plugin_slot"):
             owner = "zkit" if parent in builtin else records[parent].dist or "unknown"
             raise ConfigError(f"config section '{path}' {who}: '{path}' is a built-in key of {owner}")

@@ -19,17 +19,19 @@ import attrs
 
 from zkit.core.config.errors import ConfigError, NotImplementedConfigError, auto_error
 from zkit.core.config.fields import config_fields, describe, is_section_type, matches, type_options
-from zkit.core.config.plugin_keys import PLUGIN_KEYS, check_blocked_builtin, check_without_plugin
-from zkit.core.records import ConfigSectionRecord
+from zkit.core.config.plugin_keys import check_blocked_builtin, check_without_plugin
+from zkit.core.records import ConfigSectionRecord, ProviderRecord
 
 
 @attrs.define
 class Context:
     """What structuring one config needs besides the data: the plugin-owned sections that are
-    installed, the sections of zkit's own plugins that are blocked (path -> plugin name), and
+    installed, the keys installed distributions say another distribution provides (path ->
+    record), the sections of zkit's own plugins that are blocked (path -> plugin name), and
     (filled in on the way) the plugin sections found, by path."""
 
     sections: Mapping[str, ConfigSectionRecord]
+    providers: Mapping[str, ProviderRecord] = attrs.Factory(dict)
     blocked: Mapping[str, str] = attrs.Factory(dict)
     found: dict[str, Any] = attrs.Factory(dict)
 
@@ -76,8 +78,8 @@ def structure(cls: type, data: Any, path: str, ctx: Context) -> Any:
                 ctx.found[full] = section
             if key in fields:
                 kwargs[key] = section
-        elif full in PLUGIN_KEYS:
-            check_without_plugin(full, value)
+        elif full in ctx.providers or (key in fields and fields[key].metadata.get("plugin_slot")):
+            check_without_plugin(full, value, ctx.providers.get(full))
         elif full in ctx.blocked:
             check_blocked_builtin(full, ctx.blocked[full], value)
         elif key in fields:
@@ -212,7 +214,7 @@ def _check_implemented(obj: Any, path: str) -> None:
 def _unknown_key(cls: type, key: str, path: str, ctx: Context) -> ConfigError:
     valid = [f.name for f in config_fields(cls)]
     valid += list(getattr(cls, "key_aliases", {}))
-    for owned in (*ctx.sections, *PLUGIN_KEYS, *ctx.blocked):
+    for owned in (*ctx.sections, *ctx.providers, *ctx.blocked):
         parent, _, leaf = owned.rpartition(".")
         if parent == path:
             valid.append(leaf)

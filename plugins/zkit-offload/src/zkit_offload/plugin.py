@@ -142,7 +142,10 @@ def choose_stack(optimizer_section: OffloadOptimizerConfig | None, aio: AioConfi
                 "'cpu', which steps any optimizer in host memory"
             )
         # on "cpu" another optimizer steps the host-resident master itself, as it would by a Stack
-    return zkit.Stack(allocator=allocator, optimizer=optimizer)
+    asked = ", ".join(f"{section} device {device!r}" for section, device in
+                      zip(("zero_optimization.offload_optimizer", "zero_optimization.offload_param"), devices)
+                      if device != "none")
+    return zkit.Stack(allocator=allocator, optimizer=optimizer, reason=asked)
 
 
 @zkit.hookimpl
