@@ -50,3 +50,17 @@ def cannot_import(*modules: str, python: str = str(PEER_PYTHON)) -> str | None:
     imports them all."""
     errors = import_errors(python, tuple(dict.fromkeys(MODULES + modules)))
     return next((errors[m] for m in modules if m in errors), None)
+
+
+def wait_for_peer_runs(background, request, *modules: str):
+    """``(root, done)`` of the background peer runs of ``request``'s fixture (tests/background.py);
+    the test is skipped when the peer environment is missing, or when a run failed because it
+    cannot import one of ``modules``."""
+    import pytest
+
+    if not PEER_PYTHON.exists():
+        pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist")
+    root, done = background.wait(request)
+    if any(proc.returncode != 0 for proc in done) and (last := cannot_import(*modules)):
+        pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} cannot import {modules[0]} ({last})")
+    return root, done

@@ -93,12 +93,7 @@ def zkit_results(background, request) -> dict:
 
 @pytest.fixture(scope="module")
 def peer_results(background, request) -> dict:
-    if not PEER_PYTHON.exists():
-        pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} does not exist")
-    root, done = background.wait(request)
-    if any(proc.returncode != 0 for proc in done) and (
-            last := peer_env.cannot_import("deepspeed", "transformers", "accelerate")):
-        pytest.skip(f"no real DeepSpeed to compare with: {PEER_PYTHON} cannot import deepspeed ({last})")
+    root, done = peer_env.wait_for_peer_runs(background, request, "deepspeed", "transformers", "accelerate")
     return _results(done, root, "deepspeed")
 
 

@@ -49,12 +49,9 @@ def test_the_data_loader_adapter_gives_deepspeeds_slices():
         assert batches == [expected[rank], expected[rank]], (rank, batches)
 
 
-def test_the_adapter_refuses_a_batch_without_position_ids_and_the_hf_attention_is_refused():
-    from deepspeed.refused import FeatureNotProvided
+def test_the_adapter_refuses_a_batch_without_position_ids():
     from deepspeed.runtime.sequence_parallel import ulysses_sp
 
     adapter = ulysses_sp.UlyssesSPDataLoaderAdapter([{"input_ids": torch.zeros(1, 4)}], 0, None, 2, "cpu")
     with pytest.raises(ValueError, match="Ulysses SP requires `position_ids`"):
         next(adapter)
-    with pytest.raises(FeatureNotProvided, match="zkit-sequence's 'ulysses' record"):
-        ulysses_sp.UlyssesSPAttentionHF

@@ -8,7 +8,8 @@ A thin layer: every name maps onto zkit's own API, with DeepSpeed's signatures a
 :mod:`zkit.zero` plus DeepSpeed's extra names; ``accelerator`` is the device this process trains
 on (:mod:`deepspeed.accelerator.real_accelerator`); ``pipe`` and the CPU optimizers in ``ops``
 come from zkit-pipeline and zkit-offload, optional dependencies (:mod:`zkit_deepspeed.optional`).
-What zkit does not do (``init_inference``, ``mpu=``) is refused with a message, never accepted
+What zkit does not do (``init_inference``, an ``mpu=`` other than DeepSpeed's
+sequence-parallel groups) is refused with a message, never accepted
 and ignored. See ``docs/migrating-from-deepspeed.md``.
 
 This replaces a real DeepSpeed install; ``pip uninstall deepspeed && pip install deepspeed``
@@ -31,6 +32,7 @@ from deepspeed.refused import module_getattr
 from deepspeed.comm.comm import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from zkit_deepspeed import refusing_finder
 from zkit_deepspeed.ignored_keys import drop_ignored_keys
+from zkit_deepspeed.sequence_mpu import building_with, sequence_mpu, with_sequence_parallel_size
 
 refusing_finder.install()  # importing a refused deepspeed.X raises FeatureNotProvided
 
@@ -86,12 +88,19 @@ def initialize(
         config = from_args
     config = drop_ignored_keys(config)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
-    result = zkit_initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
-                             training_data=training_data, lr_scheduler=lr_scheduler, config=config,
-                             collate_fn=collate_fn, mpu=mpu, engine_class=DeepSpeedEngine)
+    # DeepSpeed's sequence-parallel groups (Accelerate's and the Trainer's Ulysses) become the
+    # engine's sequence_parallel_size; any other mpu= is refused by zkit's initialize
+    sequence = sequence_mpu(mpu)
+    if sequence is not None:
+        config = with_sequence_parallel_size(config, sequence.get_sequence_parallel_world_size())
+        mpu = None
+    with building_with(sequence):
+        result = zkit_initialize(model=model, optimizer=optimizer, model_parameters=model_parameters,
+                                 training_data=training_data, lr_scheduler=lr_scheduler, config=config,
+                                 collate_fn=collate_fn, mpu=mpu, engine_class=DeepSpeedEngine)
     from deepspeed.utils import groups
 
-    groups._set_sequence_parallel_group(result[0].sequence_parallel_group)
+    groups._set_sequence_parallel_group(result[0].sequence_parallel_group, sequence)
     if result[0].zero_optimization_stage() == 3:
         # DeepSpeed's ZeRO-3 keeps each module's ``_external_params``; code written for it reads them
         from deepspeed.runtime.zero.external_params import track_returned_params

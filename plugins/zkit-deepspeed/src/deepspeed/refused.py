@@ -35,8 +35,7 @@ _DS_INFERENCE = Refusal("DeepSpeed-Inference: kernel injection and tensor-parall
                         "evaluate with an engine built without an optimizer, or the plain model")
 _MOE = Refusal("mixture-of-experts layers and expert parallelism",
                "train the model without MoE layers, or with DeepSpeed")
-_SEQUENCE_PARALLEL = Refusal("DeepSpeed's Hugging Face integration of Ulysses sequence parallelism and ALST's tiled "
-                             "autograd functions",
+_SEQUENCE_PARALLEL = Refusal("ALST's tiled autograd functions",
                              "build the model's attention with zkit-sequence's 'ulysses' record and set "
                              "sequence_parallel_size (zkit_sequence.TiledMLP and SequenceParallelCrossEntropy(tiles) "
                              "for the tiling), or use deepspeed.sequence.layer.DistributedAttention")
@@ -98,7 +97,6 @@ REFUSED_MODULES: dict[str, Refusal] = {
     "deepspeed.moe.sharded_moe": _MOE,
     **{f"deepspeed.sequence.{m}": _SEQUENCE_EXTRAS for m in ("fpdt_layer", "cross_entropy", "auto_sp",
                                                              "autosp_detector", "autosp_fusion", "autosp_vit")},
-    "deepspeed.runtime.sequence_parallel.parallel_state_sp": _SEQUENCE_PARALLEL,
     **{f"deepspeed.compression.{m}": _COMPRESSION for m in _COMPRESSION_MODULES},
     "deepspeed.ops.transformer": _COMPILED_OPS,
     "deepspeed.io": _FAST_IO,
@@ -109,7 +107,7 @@ REFUSED_MODULES: dict[str, Refusal] = {
 #: attributes of modules zkit provides that raise when read
 REFUSED_NAMES: dict[str, Refusal] = {
     **{f"deepspeed.runtime.sequence_parallel.ulysses_sp.{name}": _SEQUENCE_PARALLEL
-       for name in ("UlyssesSPAttentionHF", "SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP",
+       for name in ("SequenceTiledCompute", "sequence_tiled_compute", "TiledMLP",
                     "TiledFusedLogitsLoss", "TiledLoss", "AutogradComputeMLP", "UlyssesSPFwdLossBwdWithLogits")},
     "deepspeed.DeepSpeedTransformerLayer": _COMPILED_OPS,
     "deepspeed.DeepSpeedTransformerConfig": _COMPILED_OPS,

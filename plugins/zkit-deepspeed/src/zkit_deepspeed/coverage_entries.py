@@ -169,7 +169,9 @@ ENTRIES = (
     _r("deepspeed.runtime.pipe.topology.ProcessTopology", "ds-tests"),
     _r("deepspeed.runtime.pipe.topology._prime_factors", "ds-tests"),
     _r("deepspeed.runtime.precision_config.get_bfloat16_config", "ds-tests"),
-    _r("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", "accelerate"),
+    _e("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF", "accelerate",
+       "zkit-sequence's all-to-alls; register_with_transformers returns parallel_state_sp, which "
+       "deepspeed.initialize(mpu=) takes; refuses flex_attention and hub kernels"),
     _e("deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter", "accelerate",
        "DeepSpeed's batches: position_ids required, labels turned into shift_labels, each rank its slice"),
     _r("deepspeed.runtime.swap_tensor.MIN_SWAPPABLE_BYTES", "ds-tests"),
@@ -225,7 +227,8 @@ ENTRIES = (
        "refused when called (no expert parallelism)"),
     _e("deepspeed.utils.groups._get_expert_parallel_ranks", "ds-tests"),
     _e("deepspeed.utils.groups._get_sequence_parallel_group", "accelerate transformers",
-       "the engine's sequence group (sequence_parallel_size, zkit-sequence); without one DeepSpeed's KeyError"),
+       "the engine's sequence group (sequence_parallel_size or mpu=parallel_state_sp); without one DeepSpeed's "
+       "KeyError"),
     _e("deepspeed.utils.groups._get_sequence_parallel_rank", "accelerate"),
     _e("deepspeed.utils.groups._get_sequence_parallel_world_size", "accelerate"),
     _e("deepspeed.utils.logger", "examples training transformers"),

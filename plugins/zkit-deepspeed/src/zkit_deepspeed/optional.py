@@ -1,8 +1,8 @@
 """The drop-in's optional dependencies: zkit's plugins behind some ``deepspeed`` names.
 
 ``deepspeed.pipe`` is zkit-pipeline, ``deepspeed.ops.adam.DeepSpeedCPUAdam`` (and the CPU Lion and
-Adagrad) zkit-offload, ``deepspeed.ops.sparse_attention`` zkit-sparse, ``deepspeed.sequence.layer``
-zkit-sequence. They are extras of the
+Adagrad) zkit-offload, ``deepspeed.ops.sparse_attention`` zkit-sparse, ``deepspeed.sequence.layer`` and
+``deepspeed.runtime.sequence_parallel`` zkit-sequence. They are extras of the
 ``deepspeed`` distribution (``pip install 'deepspeed[pipeline,offload,sparse]'``, or each plugin by
 its own name); without one, importing the name that needs it raises an ``ImportError`` naming
 the distribution to install, as DeepSpeed's ops raise when their extension is not built.

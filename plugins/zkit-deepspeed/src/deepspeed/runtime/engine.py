@@ -20,6 +20,7 @@ import torch
 from zkit.core.engine import Engine
 from zkit.zero.config import zero_config
 from deepspeed.utils.timer import ThroughputTimer
+from zkit_deepspeed.sequence_mpu import ReplicaAveragedMicroStep, building_mpu
 
 __all__ = ["DeepSpeedEngine"]
 
@@ -57,10 +58,37 @@ class DeepSpeedEngine(Engine):
         """This process's rank on its node (the launcher's ``LOCAL_RANK``)."""
         return int(os.environ.get("LOCAL_RANK", "0"))
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        #: DeepSpeed's model-parallel unit: its sequence-parallel groups (``parallel_state_sp``) or None
+        self.mpu = building_mpu()
+        if self.mpu is not None and self.zero_optimization_stage() < 3:
+            # DeepSpeed's gradient under its sequence groups at stages 0-2: summed over every rank,
+            # divided by the data-parallel replicas only (zkit_deepspeed.sequence_mpu says what that is)
+            self.micro_step_protocol = ReplicaAveragedMicroStep(self, self.config.sequence_parallel_size)
+
     @property
-    def dp_world_size(self) -> int:
-        """The number of data-parallel replicas."""
+    def dp_world_size(self) -> int | None:
+        """DeepSpeed's: the ranks ZeRO partitions over, or ``None`` when the engine was built with
+        ``mpu=`` DeepSpeed's sequence-parallel groups (DeepSpeed asks such an mpu for no
+        data-parallel size). The batch sizes' replicas are ``world / sequence_parallel_size``."""
+        return None if self.mpu is not None else self.world_size
+
+    @property
+    def seq_dp_world_size(self) -> int:
+        """The ranks ZeRO partitions over: every data and sequence-parallel rank."""
         return self.world_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The ranks that split each sequence (1 without sequence parallelism)."""
+        return self.config.sequence_parallel_size
+
+    def get_sequence_parallel_group(self) -> Any:
+        """The process group of the ranks that split each sequence with this one."""
+        if self.sequence_parallel_group is None:
+            raise AttributeError("this engine has no sequence-parallel group: sequence_parallel_size is 1")
+        return self.sequence_parallel_group
 
     @property
     def mp_world_size(self) -> int:

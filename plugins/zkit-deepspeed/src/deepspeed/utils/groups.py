@@ -4,7 +4,10 @@ are zkit-pipeline's ``ProcessGrid``, not these groups). So: the data-parallel gr
 model/tensor parallel sizes are 1 (ranks 0). The sequence-parallel group is the one of the last
 engine ``deepspeed.initialize`` built with ``sequence_parallel_size`` above 1 (zkit-sequence's
 layout, DeepSpeed's: consecutive ranks), whose ZeRO shards over the whole world (DeepSpeed's
-sequence-data-parallel group); without one the size is 1 and the group DeepSpeed's ``KeyError``. Expert (MoE) groups are refused;
+sequence-data-parallel group); without one the size is 1 and the group DeepSpeed's ``KeyError``.
+An engine built with ``mpu=`` DeepSpeed's sequence-parallel groups (``parallel_state_sp``) answers
+as DeepSpeed's does then: the data-parallel group and its size are ``None`` (DeepSpeed asks such an
+mpu for none), the sequence-data-parallel ones the mpu's. Expert (MoE) groups are refused;
 ``_get_expert_parallel_ranks`` is pure arithmetic and computes DeepSpeed's layout.
 """
 from __future__ import annotations
@@ -50,12 +53,30 @@ def get_data_parallel_rank() -> int:
     return dist.get_rank()
 
 
-_get_data_parallel_group = get_data_parallel_group
-_get_data_parallel_world_size = get_data_parallel_world_size
-_get_data_parallel_rank = get_data_parallel_rank
-_get_sequence_data_parallel_group = get_data_parallel_group
-_get_sequence_data_parallel_world_size = get_data_parallel_world_size
-_get_sequence_data_parallel_rank = get_data_parallel_rank
+def _get_data_parallel_group() -> Any:
+    """The world; ``None`` under DeepSpeed's sequence-parallel mpu, as DeepSpeed's."""
+    return None if _sequence_mpu is not None else get_data_parallel_group()
+
+
+def _get_data_parallel_world_size() -> int | None:
+    """The world's size; ``None`` under DeepSpeed's sequence-parallel mpu, as DeepSpeed's."""
+    return None if _sequence_mpu is not None else get_data_parallel_world_size()
+
+
+def _get_data_parallel_rank() -> int:
+    return get_data_parallel_rank()
+
+
+def _get_sequence_data_parallel_group() -> Any:
+    return get_data_parallel_group() if _sequence_mpu is None else _sequence_mpu.get_sequence_data_parallel_group()
+
+
+def _get_sequence_data_parallel_world_size() -> int:
+    return dist.get_world_size(_get_sequence_data_parallel_group())
+
+
+def _get_sequence_data_parallel_rank() -> int:
+    return dist.get_rank(_get_sequence_data_parallel_group())
 
 
 def _get_data_parallel_group_ranks() -> range:
@@ -89,12 +110,15 @@ def get_tensor_model_parallel_src_rank() -> int:
 #: the sequence-parallel group of the last engine built with ``sequence_parallel_size`` above 1
 #: (``deepspeed.initialize`` records it; DeepSpeed keeps its groups module-wide too), else None
 _sequence_parallel_group: Any = None
+#: DeepSpeed's sequence-parallel mpu that engine was built with (``parallel_state_sp``), else None
+_sequence_mpu: Any = None
 
 
-def _set_sequence_parallel_group(group: Any) -> None:
-    """Record the sequence-parallel group of the engine ``deepspeed.initialize`` built (None: none)."""
-    global _sequence_parallel_group
-    _sequence_parallel_group = group
+def _set_sequence_parallel_group(group: Any, mpu: Any = None) -> None:
+    """Record the sequence-parallel group of the engine ``deepspeed.initialize`` built (None: none)
+    and the sequence-parallel ``mpu`` it was given (None: none)."""
+    global _sequence_parallel_group, _sequence_mpu
+    _sequence_parallel_group, _sequence_mpu = group, mpu
 
 
 def _get_sequence_parallel_world_size() -> int:

@@ -1,4 +1,5 @@
-"""``deepspeed.runtime.sequence_parallel.ulysses_sp``: DeepSpeed's ``UlyssesSPDataLoaderAdapter``.
+"""``deepspeed.runtime.sequence_parallel.ulysses_sp``: DeepSpeed's ``UlyssesSPAttentionHF`` (with
+``register_with_transformers``; :mod:`zkit_deepspeed.ulysses_hf`) and ``UlyssesSPDataLoaderAdapter``.
 
 ``UlyssesSPDataLoaderAdapter(dl, sp_rank, sp_group, sp_world_size, device)`` takes one batch (a
 dict with ``input_ids``, ``position_ids`` and ``labels``, tensors ``[batch, seq, ...]``) on each of
@@ -7,8 +8,8 @@ rank's part of the sequence, as DeepSpeed does: ``labels`` becomes ``shift_label
 token's label, ``-100`` after the last), computed before slicing; other tensors are sliced along
 dim 1; non-tensors go to every rank unchanged. A batch without ``position_ids``, one whose tensors
 disagree in length, or a length not divisible by the group's size is refused, with DeepSpeed's
-words. The rest of the module (``UlyssesSPAttentionHF``, the tiled autograd functions) is refused
-with a message naming zkit-sequence's counterparts.
+words. The rest of the module (ALST's tiled autograd functions) is refused with a message naming
+zkit-sequence's counterparts.
 """
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from typing import Any, Iterable
 import torch
 
 from deepspeed.refused import module_getattr
+from zkit_deepspeed.ulysses_hf import UlyssesSPAttentionHF
+
+__all__ = ["UlyssesSPAttentionHF", "UlyssesSPDataLoaderAdapter"]
 
 __getattr__ = module_getattr(__name__)
 
