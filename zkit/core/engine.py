@@ -6,9 +6,14 @@
         engine.backward(loss)
         engine.step()
 
-The engine itself only orders things in time: micro-steps and accumulation boundaries, loss
-scaling, clipping, logging. What is held where and how it is communicated belongs to the plugins
-it was built from (partitioner, communicator, optimizer, scheduler, allocator).
+The engine itself orders things in time: micro-steps and accumulation boundaries, the step and
+sample counters, and which hook runs when; around each backward it scales the loss
+(:mod:`zkit.core.microstep`). The optimizer step (the gradient norm, the overflow check, the
+loss-scale update, clipping, the skipped-step policy) is the answer to ``zkit_optimizer_step``
+(built in: :mod:`zkit.train_loop.optimizer_step`), handed a
+:class:`~zkit.core.step_context.StepContext` rather than the engine; step lines and metrics are the
+telemetry plugin's (``zkit_after_step``). What is held where and how it is communicated belongs to
+the plugins it was built from (partitioner, communicator, optimizer, scheduler, allocator).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ from zkit.core.precision import LossScaler, cast_model
 from zkit.core.records import OptimizerRecord
 from zkit.core.stack import Stack, configure
 from zkit.core.stash import Stash
+from zkit.core.step_context import StepContext
 from zkit.core.step_outcome import StepOutcomes
 from zkit.core.memory import memory_snapshot
 from zkit.core.metrics import NoMonitor
@@ -443,7 +449,7 @@ class Engine(torch.nn.Module):
         boundary; a ``zkit_train_batch`` implementation that drives its own micro-batches (a
         pipeline schedule) calls it where its schedule steps."""
         with self._phase("step"), phases.phase("optimizer.step"):
-            self._outcomes.applied = self.pm.hook.zkit_optimizer_step(engine=self)
+            self._outcomes.applied = self.pm.hook.zkit_optimizer_step(step=self._step_context())
         self.pending_micro_steps = 0  # the batch's gradients are spent (or dropped, if skipped)
         return self._outcomes.applied_unread
 
@@ -466,13 +472,15 @@ class Engine(torch.nn.Module):
         ``state_dict()``, checkpoints and ``GatheredParameters`` wait on their own."""
         self.partitioner.wait_for_parameters()
 
-    def record_step(self, applied: bool | torch.Tensor, grad_norm: float | torch.Tensor | None = None) -> None:
-        """Account an optimizer step's outcome, for the ``zkit_optimizer_step`` answer that ran it: a
-        skipped step counts in ``skipped_steps``; ``grad_norm`` (unscaled; None when the step
-        computed none) is what :meth:`get_global_grad_norm` answers. A step that decided on the
-        device gives ``applied`` as a 0-dim bool tensor and the norm as a tensor: both are read
-        only when asked for (:mod:`zkit.core.step_outcome`)."""
-        self._outcomes.record(applied, grad_norm)
+    def _step_context(self) -> StepContext:
+        """What the ``zkit_optimizer_step`` answer reads and may change, for the coming step."""
+        return StepContext(
+            number=self.global_steps + 1, config=self.config, partitioner=self.partitioner, comm=self.comm,
+            loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler, stash=self.stash,
+            batch_losses=tuple(self.batch_losses), needs_grad_norm=self.needs_grad_norm(), device=self.device,
+            rank=self.rank, world_size=self.world_size,
+            grad_norm_hook=lambda step: self.pm.hook.zkit_grad_norm(step=step), record_outcome=self._outcomes.record,
+        )
 
     def needs_grad_norm(self) -> bool:
         """Whether a step computes the global gradient norm: for fp16's overflow check, for

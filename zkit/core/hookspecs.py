@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
         SchedulerRecord,
     )
     from zkit.core.stack import Stack
+    from zkit.core.step_context import StepContext
     from zkit.core.metrics import MetricsMonitor
 
 PROJECT = "zkit"
@@ -352,32 +353,40 @@ def zkit_after_step(engine: Engine, losses: list[torch.Tensor]) -> None:
 
 
 @hookspec(firstresult=True)
-def zkit_optimizer_step(engine: Engine) -> bool | torch.Tensor | None:
+def zkit_optimizer_step(step: StepContext) -> bool | torch.Tensor | None:
     """Perform the optimizer step at a gradient-accumulation boundary and return whether the
     step was applied (``False`` when skipped because of an fp16 overflow; a 0-dim bool tensor
     when the step decided on the device, read only by ``engine.was_step_applied()``).
 
+    ``step`` (:class:`zkit.core.step_context.StepContext`) is what a step reads and may change,
+    not the engine: its number, the config, this batch's losses, the loss scaler, the
+    partitioner, the data-parallel communicator, the LR schedule, the stash, ``grad_norm()`` (the
+    answer of :func:`zkit_grad_norm`) and ``record(applied, grad_norm)``, the one way to say what
+    came of the step (``engine.skipped_steps``, ``get_global_grad_norm()``).
+
     The built-in implementation (``trylast``) is :func:`zkit.train_loop.optimizer_step.apply_step`:
     global gradient norm and overflow check, loss-scale update, clipping, the partitioner's step,
-    the LR schedule, and the skipped-step policy (``nonfinite_steps_limit``); it accounts the
-    outcome through ``engine.record_step``. Wrap it
+    the LR schedule, and the skipped-step policy (``nonfinite_steps_limit``); it records the
+    outcome through ``step.record``. Wrap it
     (``@hookimpl(wrapper=True)``) to time or profile the step; answer it to replace the step (a
     1-bit optimizer that exchanges momentum instead of gradients)."""
 
 
 @hookspec(firstresult=True)
-def zkit_grad_norm(engine: Engine) -> Any:
+def zkit_grad_norm(step: StepContext) -> Any:
     """Return the global L2 norm of this batch's gradients, still multiplied by the loss scale,
     as a 0-dim fp32 tensor; ``inf`` or ``nan`` when any rank has an overflow.
 
     The engine asks at an accumulation boundary when it needs the norm: fp16's overflow check,
-    ``gradient_clipping``, or ``engine.track_grad_norm``. The built-in answer (``trylast``) is
-    ``engine.partitioner.grad_norm()``, the norm over the data-parallel group. A plugin that
+    ``gradient_clipping``, or ``engine.track_grad_norm``; ``step`` is the optimizer step's
+    :class:`~zkit.core.step_context.StepContext` (``step.partitioner``, ``step.comm``,
+    ``step.stash``, ``step.number``...). The built-in answer (``trylast``) is
+    ``step.partitioner.grad_norm()``, the norm over the data-parallel group. A plugin that
     changes what "global" means wraps it, so that several such plugins compose (each sees the
     answer of those inside it)::
 
         @zkit.hookimpl(wrapper=True)
-        def zkit_grad_norm(engine):
+        def zkit_grad_norm(step):
             norm = yield          # the partitioner's norm, or the next wrapper's
             sq = norm.float().reshape(1) ** 2
             my_group_comm.all_reduce(sq, "sum")   # e.g. over the model-parallel ranks

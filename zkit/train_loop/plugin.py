@@ -58,10 +58,10 @@ def zkit_eval_batch(engine, data_iter):
 
 
 @zkit.hookimpl(trylast=True)
-def zkit_optimizer_step(engine):
-    return apply_step(engine)
+def zkit_optimizer_step(step):
+    return apply_step(step)
 
 
 @zkit.hookimpl(trylast=True)
-def zkit_grad_norm(engine):
-    return engine.partitioner.grad_norm()
+def zkit_grad_norm(step):
+    return step.partitioner.grad_norm()

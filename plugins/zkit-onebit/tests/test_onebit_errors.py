@@ -136,16 +136,16 @@ def test_stage0_grad_norm_is_agreed_on_while_reduction_is_off():
     p = _params()
     opt = OneBitAdam(p, freeze_step=1)
     part = _attached(opt, _Partitioner(0, _Summing(2)))
-    engine = types.SimpleNamespace(partitioner=part, comm=part.comm, optimizer=opt, stash=Stash())
+    step = types.SimpleNamespace(partitioner=part, comm=part.comm, stash=Stash())
     norm = get_plugin_manager().hook.zkit_grad_norm
-    assert norm(engine=engine).item() == 3.0 and part.comm.calls == []  # reduced gradients: local norm is global
+    assert norm(step=step).item() == 3.0 and part.comm.calls == []  # reduced gradients: local norm is global
     p[0].grad = torch.ones(4)
     opt.step()
     assert not part.gradient_reduction
-    assert norm(engine=engine).item() == pytest.approx(3.0)  # sqrt((9 + 9) / 2)
+    assert norm(step=step).item() == pytest.approx(3.0)  # sqrt((9 + 9) / 2)
     assert part.comm.calls == ["all_reduce:sum"]
     part.local_norm = float("inf")
-    assert not torch.isfinite(norm(engine=engine))  # an overflow anywhere is an overflow everywhere
+    assert not torch.isfinite(norm(step=step))  # an overflow anywhere is an overflow everywhere
 
 
 def test_zero3_refused():

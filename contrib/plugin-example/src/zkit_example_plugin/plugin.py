@@ -39,18 +39,17 @@ def zkit_engine_setup(engine):
 
 
 @zkit.hookimpl(wrapper=True)
-def zkit_grad_norm(engine):
+def zkit_grad_norm(step):
     # A wrapper sees the norm the other implementations agreed on (zkit-pipeline's grid-wide sum,
     # zkit-onebit's average) and passes it on unchanged.
     norm = yield
-    history = engine.stash.get(HISTORY, None)
-    step = engine.global_steps + 1  # the step this norm belongs to
-    if history is not None and step % history.config.every == 0:
-        value = float(norm) / engine.loss_scaler.scale
-        history.norms.append((step, value))
+    history = step.stash.get(HISTORY, None)
+    if history is not None and step.number % history.config.every == 0:
+        value = float(norm) / step.loss_scaler.scale
+        history.norms.append((step.number, value))
         limit = history.config.warn_above
         if limit is not None and value > limit:
-            warnings.warn(f"step {step}: gradient norm {value:.4g} is above grad_norm_watch.warn_above={limit}",
+            warnings.warn(f"step {step.number}: gradient norm {value:.4g} is above grad_norm_watch.warn_above={limit}",
                           stacklevel=2)
     return norm
 

@@ -56,11 +56,12 @@ def _find(obj: Any, cls: type, depth: int = 3) -> Any:
     return obj if isinstance(obj, cls) else None
 
 
-def onebit_optimizer(engine: Any) -> OneBitAdam | None:
-    """The engine's 1-bit optimizer (OneBitAdam or ZeroOneAdam, a subclass), if it has one."""
-    found = _find(getattr(engine, "optimizer", None), OneBitAdam)
+def onebit_optimizer(holder: Any) -> OneBitAdam | None:
+    """The 1-bit optimizer (OneBitAdam or ZeroOneAdam, a subclass) of an engine or of a step's
+    partitioner, if it has one."""
+    found = _find(getattr(holder, "optimizer", None), OneBitAdam)
     if found is None:
-        found = _find(getattr(getattr(engine, "partitioner", None), "optimizer", None), OneBitAdam)
+        found = _find(getattr(getattr(holder, "partitioner", None), "optimizer", None), OneBitAdam)
     return found
 
 
@@ -78,14 +79,14 @@ def zkit_engine_setup(engine):
 
 
 @zkit.hookimpl(wrapper=True, trylast=True)
-def zkit_grad_norm(engine):
+def zkit_grad_norm(step):
     """While a 1-bit optimizer has gradient reduction off (ZeRO 0 after the freeze), each rank
     holds its local gradients only: the norm every rank uses for fp16 overflow checks and clipping
     is the root mean square of the local norms (an exact scalar all-reduce), so that no rank skips
     a step or clips differently while the others enter the compressed exchange."""
     norm = yield
-    comm = engine.comm
-    if engine.partitioner.gradient_reduction or comm.world_size == 1 or onebit_optimizer(engine) is None:
+    comm = step.comm
+    if step.partitioner.gradient_reduction or comm.world_size == 1 or onebit_optimizer(step) is None:
         return norm
     sq = norm.detach().float().reshape(1).square()
     comm.all_reduce(sq, "sum")

@@ -48,7 +48,7 @@ _HEADER = 10  # dtype, ndim, up to 8 dims
 class PipelineRunner:
     """Runs global batches of a :class:`PipelineModule` on this rank.
 
-    ``step`` is called at ``OptimizerStep`` (``engine.apply_step``, or a plain optimizer's step
+    ``step`` is called at ``OptimizerStep`` (``engine.run_optimizer_step``, or a plain optimizer's step
     and zero_grad). ``partitioner`` (ZeRO) reduces data-parallel gradients; without one, gradients
     are averaged over the data axis of ``grid``. ``micro_step`` (an engine's
     :class:`zkit.core.microstep.MicroStep`) scales the loss and runs around every backward that

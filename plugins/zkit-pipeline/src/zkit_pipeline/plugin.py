@@ -41,13 +41,13 @@ def zkit_engine_setup(engine: Any) -> None:
 
 
 @zkit.hookimpl(wrapper=True)
-def zkit_grad_norm(engine: Any) -> Any:
+def zkit_grad_norm(step: Any) -> Any:
     """The norm over the whole grid for split models: the data-parallel norm inside, summed over
     the pipeline and tensor ranks, each tensor held whole on several of them counted once."""
     from zkit_pipeline import engine_api
 
     norm = yield
-    grid_norm = engine.stash.get(engine_api.GRID_NORM, None)
+    grid_norm = step.stash.get(engine_api.GRID_NORM, None)
     return norm if grid_norm is None else grid_norm(norm)
 
 

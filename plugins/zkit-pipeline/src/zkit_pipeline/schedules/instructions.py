@@ -114,7 +114,7 @@ class ReduceGrads(Instruction):
 
 @attrs.frozen
 class OptimizerStep(Instruction):
-    """Clip, unscale and step (``engine.apply_step()``)."""
+    """Clip, unscale and step (``engine.run_optimizer_step()``)."""
 
 
 COMPUTE = (Forward, Backward, BackwardInput, BackwardWeight)
