@@ -1,12 +1,10 @@
 """Gradients held in full, flat, per-unit buffers (stages 0 and 1).
 
-Each parameter's ``.grad`` is a view into its unit's gradient buffer, so autograd accumulates
-micro-steps in place and a whole unit goes to one collective without a copy. At the last
-micro-step of a batch, each unit's collective is launched as soon as its gradients are final.
-
-Between steps the buffers hold no memory: their storage is resized to nothing after the step and
-back before the next backward (as FSDP2 frees its unsharded parameters), so the buffers and the
-parameters' views into them are made once, not a slice and a view per parameter every step.
+Each parameter's ``.grad`` is a view into its unit's gradient buffer
+(:class:`~zkit.zero.grad_buffers.GradBuffers`), so autograd accumulates micro-steps in place and a
+whole unit goes to one collective without a copy. At the last micro-step of a batch, each unit's
+collective is launched as soon as its gradients are final. Between steps the buffers hold no
+memory (their views are made once).
 """
 from __future__ import annotations
 
@@ -15,6 +13,7 @@ import contextlib
 import torch
 
 from zkit.zero.buckets import GradientBucketer
+from zkit.zero.grad_buffers import GradBuffers
 from zkit.zero.zero_partitioner import ZeroPartitioner
 
 
@@ -22,51 +21,30 @@ class FullGradientPartitioner(ZeroPartitioner):
     """Shared gradient path of stages 0 and 1; subclasses say how a unit is reduced."""
 
     def _init_grads(self) -> None:
-        #: per unit, the flat gradient buffer; its storage is empty between steps (see :meth:`zero_grad`)
-        self.grad_bufs: list[torch.Tensor] = []
-        self.grad_views: dict[int, torch.Tensor] = {}
-        self._grads_held = False
-        self._ensure_grad_bufs()
+        #: the flat gradient buffers and the parameters' views of them
+        self.grad_buffers = GradBuffers(self.units, self.unit_params, self.allocator, self.dtype)
+        self.grad_buffers.hold()
         self._reducing = False
         self._scratch: dict[int, torch.Tensor] = {}
         self.bucketer = GradientBucketer(
             [len(ps) for ps in self.unit_params], self._launch, self._finish, names=self.unit_names()
         )
 
+    @property
+    def grad_bufs(self) -> list[torch.Tensor]:
+        """Per unit, the flat gradient buffer (without memory between steps)."""
+        return self.grad_buffers.bufs
+
     def _ensure_grad_bufs(self) -> list[torch.Tensor]:
-        """Give the gradient buffers their memory, zeroed, and point every parameter's ``.grad``
-        into them (before a batch's first backward; the memory goes back after the step)."""
-        if self._grads_held:
-            return self.grad_bufs
-        if not self.grad_bufs:  # the first batch, or buffers that cannot give their memory back
-            for u, params in zip(self.units, self.unit_params):
-                buf = self.allocator.zeros(u.padded, self.dtype, "grad")
-                for slot, p in zip(u.slots, params):
-                    self.grad_views[id(p)] = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
-                self.grad_bufs.append(buf)
-        else:
-            for buf in self.grad_bufs:
-                nbytes = buf.numel() * buf.element_size()
-                buf.untyped_storage().resize_(nbytes)
-                self.allocator.track("grad", nbytes)
-                buf.zero_()
-        for params in self.unit_params:
-            for p in params:
-                p.grad = self.grad_views[id(p)]
-        self._grads_held = True
-        return self.grad_bufs
+        """The gradient buffers, holding their memory (see :meth:`GradBuffers.hold`)."""
+        return self.grad_buffers.hold()
 
     @property
     def keeps_grad_buffers(self) -> bool:
         return True
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
-        self._ensure_grad_bufs()  # a backward run outside engine.backward
-        view = self.grad_views[id(param)]
-        if param.grad is not view:
-            # Someone replaced .grad (model.zero_grad(set_to_none=True)): take the new values.
-            view.copy_(param.grad)
-            param.grad = view
+        self.grad_buffers.take(param)
         if self._reducing:
             self.bucketer.ready(self.unit_of[id(param)])
 
@@ -114,22 +92,4 @@ class FullGradientPartitioner(ZeroPartitioner):
     def zero_grad(self) -> None:
         # Between steps no gradient memory is held (DeepSpeed and torch's zero_grad(set_to_none=True)
         # hold none either): the buffers' storage goes back and the next backward takes it again.
-        if self._grads_held:
-            for buf in self.grad_bufs:
-                self.allocator.release(buf, "grad")
-            if all(_owns_its_storage(buf) for buf in self.grad_bufs):
-                for buf in self.grad_bufs:
-                    buf.untyped_storage().resize_(0)
-            else:  # an allocator's buffer within a larger one (aligned host memory): made anew
-                self.grad_bufs, self.grad_views = [], {}
-        self._grads_held = False
-        for params in self.unit_params:
-            for p in params:
-                p.grad = None
-
-
-def _owns_its_storage(buf: torch.Tensor) -> bool:
-    """Whether ``buf`` is the whole of a storage that can be resized (torch's own allocation, not a
-    slice of a larger or foreign one), so freeing and retaking its memory keeps its views valid."""
-    storage = buf.untyped_storage()
-    return storage.resizable() and buf.storage_offset() == 0 and storage.nbytes() == buf.numel() * buf.element_size()
+        self.grad_buffers.release()

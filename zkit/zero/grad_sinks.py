@@ -12,6 +12,9 @@ then :meth:`add_grad` gets that chunk (averaged, post-scaled). Two sinks:
   beside the master, filled by copies out of the buckets on the compute stream.
 - :class:`StoreGrads`: a master store that takes the gradients itself (zkit-offload's NVMe store,
   :attr:`zkit.core.stores.MasterStore.takes_grads`): every chunk goes to its ``add_grad``.
+- :class:`GradViews`: at one replica nothing is reduced and a unit's shard is the whole unit, so
+  the shards are the parameters' gradients themselves, written in place
+  (:class:`~zkit.zero.grad_buffers.GradBuffers`): no bucket, no chunk, no copy (``in_place``).
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import torch
 
 from zkit.core.stores import MasterStore
 from zkit.zero.flat import Unit
+from zkit.zero.grad_buffers import GradBuffers
 
 
 class GradShards:
@@ -34,6 +38,9 @@ class GradShards:
         beside_master: the shards are fp32 host buffers beside an offloaded master.
         device: the training device (waited for before the host reads copied chunks).
     """
+
+    #: the parameters' gradients are copied into buckets and reduced into the shards
+    in_place = False
 
     def __init__(self, units: Sequence[Unit], allocator: Any, accum_dtype: torch.dtype, comm_dtype: torch.dtype,
                  beside_master: bool, device: torch.device) -> None:
@@ -105,6 +112,7 @@ class StoreGrads:
     :attr:`~zkit.core.stores.MasterStore.takes_grads`); nothing is held here."""
 
     beside_master = False
+    in_place = False
 
     def __init__(self, store: MasterStore) -> None:
         self.store = store
@@ -126,3 +134,35 @@ class StoreGrads:
 
     def release(self) -> None:
         """The partitioner's ``zero_grad`` tells the store itself."""
+
+
+class GradViews:
+    """At one replica, the shards are the parameters' gradients (see the module docstring): each
+    ``.grad`` a view of its unit's buffer, accumulated in place by autograd over the micro-steps,
+    held from the batch's first backward to the step."""
+
+    beside_master = False
+    in_place = True
+
+    def __init__(self, buffers: GradBuffers) -> None:
+        self.buffers = buffers
+        self.staged: list[torch.Tensor] = []
+
+    @property
+    def shards(self) -> list[torch.Tensor]:
+        return self.buffers.bufs if self.buffers.held else []
+
+    def get(self, overwritten: bool = False) -> list[torch.Tensor]:
+        return self.buffers.hold()
+
+    def reduce_target(self, unit: int, chunk: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("gradients written in place are not reduced through a bucket")
+
+    def add_grad(self, unit: int, grad: torch.Tensor) -> None:
+        raise RuntimeError("gradients written in place are not reduced through a bucket")
+
+    def end_backward(self) -> None:
+        """The gradients are in the buffers already."""
+
+    def release(self) -> None:
+        self.buffers.release()

@@ -15,6 +15,12 @@ bucket on the compute stream as it completes (ZeRO-Offload), so the device holds
 shards at all, only the buckets; later micro-steps land in a host staging shard and are added at
 the end of backward. Where the chunks land is the gradient sink's (:mod:`zkit.zero.grad_sinks`):
 these shards, or a master store that takes the gradients itself (NVMe), behind one path here.
+
+At one replica there is nothing to reduce and a unit's shard is the whole unit: the shards are the
+parameters' gradients themselves, written in place (each ``.grad`` a view of its unit's buffer,
+DDP's ``gradient_as_bucket_view``; :class:`~zkit.zero.grad_sinks.GradViews`), unless they must be
+copied anyway (beside an offloaded master, into a store, in another accumulation dtype, or scaled
+before and after a reduction).
 """
 from __future__ import annotations
 
@@ -24,7 +30,8 @@ import torch
 
 from zkit.zero.buckets import GradientBucketer, ScratchRing
 from zkit.zero.config import zero_config
-from zkit.zero.grad_sinks import GradShards, StoreGrads
+from zkit.zero.grad_buffers import GradBuffers
+from zkit.zero.grad_sinks import GradShards, GradViews, StoreGrads
 from zkit.zero.zero_partitioner import ZeroPartitioner
 
 
@@ -32,11 +39,16 @@ class Stage2(ZeroPartitioner):
     stage = 2
 
     def _init_grads(self) -> None:
-        #: where the reduced chunks land (:mod:`zkit.zero.grad_sinks`): the shards in memory, or a
-        #: master store that takes the gradients itself (NVMe)
-        self.grads = (StoreGrads(self.master_store) if self.master_store.takes_grads else GradShards(
-            self.units, self.allocator, self.accum_dtype, self.comm_dtype, self.allocator.grads_beside_master(),
-            self.ctx.device))
+        #: where the reduced chunks land (:mod:`zkit.zero.grad_sinks`): the shards in memory, a
+        #: master store that takes the gradients itself (NVMe), or at one replica the parameters'
+        #: gradients themselves
+        if self.master_store.takes_grads:
+            self.grads: GradShards | StoreGrads | GradViews = StoreGrads(self.master_store)
+        elif self._grads_in_place():
+            self.grads = GradViews(GradBuffers(self.units, self.unit_params, self.allocator, self.dtype))
+        else:
+            self.grads = GradShards(self.units, self.allocator, self.accum_dtype, self.comm_dtype,
+                                    self.allocator.grads_beside_master(), self.ctx.device)
         buckets = 2 if zero_config(self.ctx.config).overlap_comm and len(self.units) > 1 else 1
         self._ring = ScratchRing(max((u.padded for u in self.units), default=0), buckets)
         #: the ring's segments (a bucket of the largest unit each), made by a batch's reductions as
@@ -50,6 +62,18 @@ class Stage2(ZeroPartitioner):
             names=self.unit_names(),
             fits=lambda unit: self._ring.fits(self.units[unit].padded),
         )
+
+    def _grads_in_place(self) -> bool:
+        """Whether the shards can be the parameters' gradients (see the module docstring): one
+        replica, shards of the parameters' dtype on their device, nothing scaled around a reduction."""
+        return (self.comm.world_size == 1 and not self.allocator.grads_beside_master()
+                and self.allocator.place("grad") == self.ctx.device and self.accum_dtype == self.dtype
+                and self.pre_scale == 1.0 and self.post_scale == 1.0)
+
+    @property
+    def keeps_grad_buffers(self) -> bool:
+        """Gradients written in place are the same buffers every step."""
+        return self.grads.in_place
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -72,6 +96,8 @@ class Stage2(ZeroPartitioner):
         return False
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        if self.grads.in_place:
+            self.grads.buffers.take(param)
         self.bucketer.ready(self.unit_of[id(param)])
 
     def backward_context(self, boundary: bool):
@@ -79,6 +105,8 @@ class Stage2(ZeroPartitioner):
             raise RuntimeError(
                 "ZeRO stage 2 reduces gradients at every micro-step; gradient reduction cannot be switched off"
             )
+        if self.grads.in_place:
+            self.grads.buffers.hold()
         return contextlib.nullcontext()
 
     def after_backward(self, boundary: bool) -> None:
@@ -92,6 +120,8 @@ class Stage2(ZeroPartitioner):
         return self._segments[seg][start:end]
 
     def _launch(self, unit: int):
+        if self.grads.in_place:
+            return None  # one replica: the gradients are in their shard already
         u = self.units[unit]
         flat = self._take_bucket(u.padded)
         # Into the sink's memory, or in place into the bucket's own chunk (gloo and NCCL allow an
@@ -116,6 +146,8 @@ class Stage2(ZeroPartitioner):
         return self.comm.reduce_scatter(target, flat, self.reduce_op, async_op=True, key=self.unit_key(unit))
 
     def _finish(self, unit: int) -> None:
+        if self.grads.in_place:
+            return
         target = self._launched.pop(unit)
         if self.post_scale != 1.0:
             target.mul_(self.post_scale)

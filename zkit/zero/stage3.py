@@ -137,6 +137,12 @@ class Stage3(Stage2):
             for i in owner.get(mname, ()):
                 self._hooks_fwd.append(module.register_forward_hook(self._after_module_forward(i)))
 
+    def _init_grads(self) -> None:
+        super()._init_grads()
+        if self.grads.in_place:  # the weights' gradients are computed fresh and added into their views
+            for su in self.sharded:
+                su.grad_spares = None
+
     def _param_shard(self, unit: Unit) -> torch.Tensor:
         return self.sharded[unit.index].local_shard()
 
