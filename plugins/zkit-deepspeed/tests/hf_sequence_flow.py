@@ -5,7 +5,8 @@ is installed (this drop-in or the real DeepSpeed), so that the two can be compar
     torchrun --nproc_per_node 2 hf_sequence_flow.py --out DIR --sp 2 --stage 2
 
 ``--sp 1`` is the same run without sequence parallelism (the reference at the same global batch:
-run it on ``world / P`` ranks). A tiny Llama with grouped-query attention (4 query heads, 2
+run it on ``world / P`` ranks); with ``world / P`` above 1 the sequence groups train as that many
+data-parallel replicas. A tiny Llama with grouped-query attention (4 query heads, 2
 key-value heads: at 4 ranks each key-value head is repeated to one per rank), fp32, sdpa attention,
 no dropout; every row masks its first 12 labels with -100 (a prompt), so at 4 ranks the first slice
 has no token to learn from and the second half of one. (Every row counts as many tokens: the Trainer
@@ -70,8 +71,11 @@ def run(sp: int, stage: int, optim: str, out: Path) -> dict:
                                          max_position_embeddings=SEQ, attn_implementation="sdpa"))
     parallelism = None
     if sp > 1:
-        parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=sp, sp_handler=DeepSpeedSequenceParallelConfig(
-            sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
+        # Accelerate counts the data-parallel replicas (for train_batch_size) from dp_replicate_size
+        replicas = torch.distributed.get_world_size() // sp
+        parallelism = ParallelismConfig(sp_backend="deepspeed", sp_size=sp, dp_replicate_size=replicas,
+                                        sp_handler=DeepSpeedSequenceParallelConfig(
+                                            sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))
     args = TrainingArguments(output_dir=str(out / "trainer"), per_device_train_batch_size=MICRO,
                              gradient_accumulation_steps=ACCUM, max_steps=STEPS, learning_rate=2e-3,
                              lr_scheduler_type="constant", logging_steps=1, save_strategy="no", report_to=[],

@@ -66,6 +66,21 @@ def test_heads_the_ranks_cannot_split_are_refused_naming_both(monkeypatch):
         UlyssesSPAttentionHF(process_group=None, **{**_attention(), "seq_length_is_variable": False})
 
 
+def test_inputs_of_another_shape_and_calls_without_position_ids_are_refused(monkeypatch):
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    attn = UlyssesSPAttentionHF(process_group=None, **{**_attention(), "batch_size": 2})
+    module = torch.nn.Module()
+    q = torch.zeros(2, 4, 8, 8)
+    with pytest.raises(ValueError, match=r"expects query \(2, 4, 8, 8\) and key/value \(2, 4, 8, 8\).*got query "
+                                         r"\(1, 4, 8, 8\)"):
+        attn(module, q[:1], q[:1], q[:1], None, position_ids=torch.zeros(1, 8))
+    with pytest.raises(ValueError, match="Ulysses SP requires position_ids in every forward"):
+        attn(module, q, q, q, None)
+
+
 def test_register_refuses_what_deepspeed_refuses_and_what_zkit_does_not_provide():
     from deepspeed.refused import FeatureNotProvided
     from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
