@@ -122,15 +122,20 @@ def load_error(path: str) -> str | None:
     return None
 
 
-def continue_gpt(runs: list[tuple[str, int]], clipping: float | None) -> list[list[float] | str]:
+def continue_gpt(runs: list[tuple[str, int]], clipping: float | None,
+                 dropin: bool = False) -> list[list[float] | str]:
     """Rank function: load each ``(deepspeed_dir, zkit_stage)`` into a fresh :class:`TiedGPT`
     engine with DeepSpeed's config (plus ``gradient_clipping`` unless ``None``) and train on; the
-    losses, or the load's error."""
+    losses, or the load's error. ``dropin``: the engine comes from the drop-in's
+    ``deepspeed.initialize`` instead of ``zkit.initialize``."""
+    import deepspeed
+
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     out: list[list[float] | str] = []
+    initialize = deepspeed.initialize if dropin else zkit.initialize
     for path, stage in runs:
         config = gpt_config(stage, world) | ({} if clipping is None else {"gradient_clipping": clipping})
-        engine, *_ = zkit.initialize(model=TiedGPT(), config=config)
+        engine, *_ = initialize(model=TiedGPT(), config=config)
         try:
             engine.load_checkpoint(path)
         except CheckpointError as exc:
@@ -163,6 +168,16 @@ def test_a_tied_gpt_whose_config_leaves_clipping_to_deepspeeds_default_is_refuse
         "not set gradient_clipping); this engine does not clip (zkit's default gradient_clipping is 0), so the run "
         "would not continue as DeepSpeed's own resume does. Set \"gradient_clipping\": 1.0 in the config to continue "
         "as DeepSpeed would, or set \"gradient_clipping\" to the value you choose")
+
+
+def test_on_the_dropin_a_config_that_leaves_clipping_unset_continues_as_deepspeeds_resume(tied_gpt_run):
+    """``deepspeed.initialize`` takes DeepSpeed's default ``gradient_clipping`` (1.0) when the
+    config leaves it unset, so DeepSpeed's own config continues DeepSpeed's run unchanged."""
+    root, reference = tied_gpt_run
+    (got,) = run_ranks(continue_gpt, 2, args=([(str(root / "tied-gpt-2"), 2)], None, True), timeout=600)[0]
+    want = reference["tied-gpt-2"]["after"][:3]
+    assert not isinstance(got, str), got
+    assert max(abs(g - w) / abs(w) for g, w in zip(got, want, strict=True)) <= GPT_RTOL, f"{got}\n{want}"
 
 
 def test_a_config_that_sets_gradient_clipping_continues_a_deepspeed_run_with_its_own(tied_gpt_run):

@@ -31,7 +31,7 @@ from zkit.activations.replayed_rng import TrackerStates, register_rng_tracker
 from zkit.activations.settings import CheckpointSettings, as_communicator, assembly_of, section_from
 from zkit.activations.storage import InputStore
 from zkit.activations.tracing import eager_reasons
-from zkit.core.config.load import _read_json
+from zkit.core.config import read_config_file
 
 log = logging.getLogger("zkit.activations.recompute")
 
@@ -102,7 +102,7 @@ def configure(
             raise ValueError("configure: give the config either as the first argument or as deepspeed_config=, not both")
         config_or_engine = deepspeed_config
     if isinstance(config_or_engine, (str, os.PathLike)):
-        config_or_engine = _read_json(Path(config_or_engine))
+        config_or_engine = read_config_file(Path(config_or_engine))
     if mpu_ is not None:
         if group is not None:
             raise ValueError("configure: give the tensor-parallel group either as group= or through mpu_, not both")

@@ -28,7 +28,7 @@ import torch
 from zkit.core import distributed
 from zkit.core.assembly import Assembly
 from zkit.core.config import ZkitConfig
-from zkit.core.config.load import _read_json
+from zkit.core.config import read_config_file
 from zkit.zero.config import zero_config
 from zkit.zero.flat import plan_units
 from zkit.zero.memory_param_store import IN_MEMORY
@@ -202,7 +202,7 @@ def _as_init_reads(config: Any) -> Any:
             return config
         data = copy.deepcopy(config.raw) if config.raw else config.to_dict()
     else:
-        data = _read_json(Path(config)) if isinstance(config, (str, os.PathLike)) else config
+        data = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
 
     def strip(value: Any) -> Any:
         if isinstance(value, dict):

@@ -6,12 +6,14 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from deepspeed.refused import FeatureNotProvided
 from zkit_deepspeed import plugin, refusing_finder
@@ -109,3 +111,41 @@ def test_report_names_a_real_deepspeed_that_comes_first(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert f"from {tmp_path / 'deepspeed' / '__init__.py'} is not zkit's drop-in" in out.stdout
     assert "`import deepspeed` runs that DeepSpeed, not zkit" in out.stdout
+
+
+def _clipping_of(config) -> float:
+    import deepspeed
+
+    engine, *_ = deepspeed.initialize(model=torch.nn.Linear(3, 2), config=config)
+    try:
+        return engine.gradient_clipping()
+    finally:
+        engine.close()
+
+
+def _one_rank_clipping(configs):
+    return [_clipping_of(c) for c in configs]
+
+
+def test_initialize_takes_deepspeeds_default_gradient_clipping_when_the_config_leaves_it_unset(tmp_path):
+    """DeepSpeed 0.19.8 clips at 1.0 unless told otherwise; zkit.initialize does not clip. A value
+    the config sets, 0 included, is kept; a config file is read as zkit reads it."""
+    from zkit.testing import run_ranks
+
+    base = {"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(base))
+    got = run_ranks(_one_rank_clipping, 1, args=([base, {**base, "gradient_clipping": 0.0},
+                                                  {**base, "gradient_clipping": 0.5}, str(path)],), timeout=300)[0]
+    assert got == [1.0, 0.0, 0.5, 1.0]
+
+
+def test_initialize_reads_a_config_file_as_zkit_does_refusing_a_key_given_twice(tmp_path):
+    from zkit.core.config import ConfigError
+    from zkit_deepspeed.ignored_keys import drop_ignored_keys
+
+    path = tmp_path / "ds.json"
+    path.write_text('{"train_batch_size": 1, "gradient_clipping": 1.0, "gradient_clipping": 0}')
+    with pytest.raises(ConfigError, match=rf"^config file '{path}': key 'gradient_clipping' appears twice in one "
+                                          r"object \(values 1\.0 and 0\); keep one$"):
+        drop_ignored_keys(str(path))

@@ -5,7 +5,7 @@
 ``docs/config.md`` for every key and default.
 """
 from zkit.core.config.errors import ConfigError, NotImplementedConfigError
-from zkit.core.config.load import load_config
+from zkit.core.config.load import load_config, read_config_file
 from zkit.core.config.schema import ZkitConfig
 from zkit.core.config.sections import (
     BF16Config,
@@ -25,4 +25,5 @@ __all__ = [
     "SchedulerConfig",
     "ZkitConfig",
     "load_config",
+    "read_config_file",
 ]

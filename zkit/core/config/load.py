@@ -43,7 +43,7 @@ def load_config(
         records = {**source.section_records, **records}
         data = copy.deepcopy(source.raw) if source.raw else source.to_dict()
     elif isinstance(source, (str, os.PathLike)):
-        data = _read_json(Path(source))
+        data = read_config_file(Path(source))
     elif isinstance(source, Mapping):
         data = plain_scalars(copy.deepcopy(dict(source)))
     else:
@@ -55,7 +55,11 @@ def load_config(
     return _load(data, world_size, records, dict(builtin_config_providers() if providers is None else providers))
 
 
-def _read_json(path: Path) -> Any:
+def read_config_file(path: Path) -> Any:
+    """The JSON of the config file at ``path``, as :func:`load_config` reads it: a missing,
+    unreadable, non-UTF-8 or invalid file, or a key given twice in one object, is a
+    :class:`ConfigError` naming the file. For code that must look at a file's keys before handing
+    them on (the DeepSpeed drop-in fills DeepSpeed's defaults)."""
     try:
         text = path.read_bytes().decode("utf-8")
     except FileNotFoundError:

@@ -31,6 +31,7 @@ from deepspeed.utils import log_dist, logger
 from deepspeed.refused import module_getattr
 from deepspeed.comm.comm import TORCH_DISTRIBUTED_DEFAULT_PORT, init_distributed
 from zkit_deepspeed import refusing_finder
+from zkit_deepspeed.deepspeed_defaults import with_deepspeed_defaults
 from zkit_deepspeed.ignored_keys import drop_ignored_keys
 from zkit_deepspeed.sequence_mpu import building_with, sequence_mpu, with_sequence_parallel_size
 
@@ -72,7 +73,9 @@ def initialize(
     ``config_params``, else ``args.deepspeed_config`` (or the older ``args.deepscale_config``);
     giving it both in ``config`` and in ``args`` is an error, as in DeepSpeed. Keys DeepSpeed
     ignores where they have no effect (``offload_param`` below stage 3) are ignored with one
-    warning (:mod:`zkit_deepspeed.ignored_keys`)."""
+    warning (:mod:`zkit_deepspeed.ignored_keys`). A key whose DeepSpeed default differs from
+    zkit's takes DeepSpeed's when the config leaves it unset: ``gradient_clipping`` 1.0
+    (:mod:`zkit_deepspeed.deepspeed_defaults`)."""
     from zkit.core.engine import initialize as zkit_initialize
 
     if mesh_param is not None:
@@ -86,7 +89,7 @@ def initialize(
                          "args.deepspeed_config; give one")
     if config is None:
         config = from_args
-    config = drop_ignored_keys(config)
+    config = with_deepspeed_defaults(drop_ignored_keys(config))
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     # DeepSpeed's sequence-parallel groups (Accelerate's and the Trainer's Ulysses) become the
     # engine's sequence_parallel_size; any other mpu= is refused by zkit's initialize

@@ -6,25 +6,20 @@ and trains stages 0-2 as if the key were absent (its losses with the key are bit
 without). DeepSpeed-Chat's ``--offload`` writes it at every stage."""
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any, Mapping
 
 from deepspeed.utils.logging import logger
+from zkit.core.config import read_config_file
 
 _WARNED: set[str] = set()
 
 
 def drop_ignored_keys(config: Any) -> Any:
-    """``config`` (a dict or a JSON file's path) without the keys DeepSpeed ignores; the same object
-    when it has none (a file that does not read is left to the engine's loader, which says why)."""
-    data = config
-    if isinstance(config, (str, os.PathLike)):
-        try:
-            data = json.loads(Path(config).read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return config
+    """``config`` (a dict or a JSON file's path, read as ``zkit.initialize`` reads it: a bad file is
+    a ``ConfigError`` naming it) without the keys DeepSpeed ignores."""
+    data = read_config_file(Path(config)) if isinstance(config, (str, os.PathLike)) else config
     if not isinstance(data, Mapping):
         return config
     zero = data.get("zero_optimization")
@@ -32,7 +27,7 @@ def drop_ignored_keys(config: Any) -> Any:
     device = offload.get("device") if isinstance(offload, Mapping) else None
     stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
     if device in (None, "none") or not isinstance(stage, int) or stage >= 3:
-        return config
+        return data
     key = "zero_optimization.offload_param"
     if key not in _WARNED:
         _WARNED.add(key)
