@@ -86,8 +86,9 @@ REFUSED_MODULES: dict[str, Refusal] = {
                                              "\"nvme\")"),
     "deepspeed.runtime.zero.parameter_offload": _ZERO3_INTERNALS,
     "deepspeed.runtime.zero.tiling": Refusal("TiledLinear (a linear layer split into tiles for ZeRO-3)",
-                                             "use torch.nn.Linear: stage 3 gathers each module's parameters as one "
-                                             "unit"),
+                                             "use torch.nn.Linear; to gather less at a time at stage 3, set "
+                                             "zero_optimization.stage3_gather_unit to 'module' (one unit per "
+                                             "module; the default, 'block', gathers a transformer block)"),
     "deepspeed.runtime.zero.mics": Refusal("MiCS (ZeRO-3 sharding within sub-groups)",
                                            "use zero_optimization.stage 3 over the whole data-parallel world"),
     "deepspeed.runtime.domino": Refusal("Domino tensor-parallel transformer blocks",
