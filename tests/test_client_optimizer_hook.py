@@ -20,13 +20,13 @@ class OwnOptimizer:
         self.clients, self.schedulers = [], []
 
     @zkit.hookimpl
-    def zkit_client_optimizer(self, engine, optimizer):
+    def zkit_client_optimizer(self, optimizer):
         self.clients.append(optimizer)
         return OptimizerRecord(name="own_sgd", factory=lambda groups, **kw: torch.optim.SGD(groups, lr=0.5))
 
     @zkit.hookimpl
-    def zkit_client_lr_scheduler(self, engine, lr_scheduler):
-        self.schedulers.append((lr_scheduler, engine.optimizer))
+    def zkit_client_lr_scheduler(self, lr_scheduler, optimizer):
+        self.schedulers.append((lr_scheduler, optimizer))
         return lr_scheduler
 
 
@@ -34,7 +34,7 @@ class OptimizerOnly:
     """A plugin that answers the optimizer hook only."""
 
     @zkit.hookimpl
-    def zkit_client_optimizer(self, engine, optimizer):
+    def zkit_client_optimizer(self, optimizer):
         return OptimizerRecord(name="own_sgd", factory=lambda groups, **kw: torch.optim.SGD(groups, lr=0.5))
 
 

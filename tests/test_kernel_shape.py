@@ -62,7 +62,7 @@ class Plugin:
         self.prepared = []
 
     @zkit.hookimpl
-    def zkit_make_monitor(self, engine):
+    def zkit_make_monitor(self, config, rank):
         return self.monitor
 
     @zkit.hookimpl

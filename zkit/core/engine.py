@@ -192,7 +192,7 @@ class Engine(torch.nn.Module):
         self.track_grad_norm = False
         self._closed = False
         #: metric writers (``engine.monitor.write_events``), from the ``zkit_make_monitor`` hook
-        self.monitor = self.pm.hook.zkit_make_monitor(engine=self) or NoMonitor()
+        self.monitor = self.pm.hook.zkit_make_monitor(config=self.config, rank=self.rank) or NoMonitor()
         # the built-in activations plugin applies the activation_checkpointing section here, first
         self.pm.hook.zkit_engine_setup(engine=self)
         if self.config.dump_state and self.rank == 0:
@@ -202,7 +202,8 @@ class Engine(torch.nn.Module):
         size = self.config.sequence_parallel_size
         if size == 1:
             return None
-        group = self.pm.hook.zkit_sequence_parallel(engine=self, size=size)
+        group = self.pm.hook.zkit_sequence_parallel(module=self.module, assembly=self.assembly, stash=self.stash,
+                                                    config=self.config, device=self.device, size=size)
         if group is None:
             provider = self.pm.provider("hook", "zkit_sequence_parallel")
             install = f"{provider.install()}, or" if provider is not None else "install a plugin that does, or"
@@ -241,7 +242,7 @@ class Engine(torch.nn.Module):
         # the client's optimizer= becomes the record; none anywhere is an engine for inference or
         # evaluation, as DeepSpeed allows
         self.inference_only = client is None
-        record = self.pm.hook.zkit_client_optimizer(engine=self, optimizer=client)
+        record = self.pm.hook.zkit_client_optimizer(optimizer=client)
         return _answered(record, f"zkit.initialize(optimizer={_given(client)})", "zkit_client_optimizer"), {}
 
     def _lr_scheduler(self, client: Any) -> Any:
@@ -253,7 +254,7 @@ class Engine(torch.nn.Module):
             return record.factory(self.optimizer, **params)
         if client is None:
             return None
-        scheduler = self.pm.hook.zkit_client_lr_scheduler(engine=self, lr_scheduler=client)
+        scheduler = self.pm.hook.zkit_client_lr_scheduler(lr_scheduler=client, optimizer=self.optimizer)
         return _answered(scheduler, f"zkit.initialize(lr_scheduler={_given(client)})", "zkit_client_lr_scheduler")
 
     def _dataloader(self, data: Any, collate_fn: Any) -> torch.utils.data.DataLoader:

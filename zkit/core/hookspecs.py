@@ -18,7 +18,12 @@ There are two kinds of hooks:
   The manager calls them through pluggy's hook caller once per plugin that answers (so each record
   is known with its distribution): ``wrapper=True`` implementations wrap each of those calls, and
   ``ZKIT_TRACE`` shows them.
-* **Lifecycle hooks** are called at named moments of a run with the engine in hand.
+* **Lifecycle hooks** are called at named moments of a run with what the moment needs: the
+  optimizer step's hooks a :class:`~zkit.core.step_context.StepContext`, the backward hooks a
+  :class:`~zkit.core.microstep.BackwardContext`, the set-up hooks the parts they build from. The
+  hooks that still get the whole engine say why in their manual: they attach to it or release
+  what they attached, drive it as a training loop does, report on it, or save and restore all of
+  it.
 """
 from __future__ import annotations
 
@@ -47,8 +52,10 @@ if TYPE_CHECKING:  # pragma: no cover - typing only
         SchedulerRecord,
     )
     from zkit.core.stack import Stack
+    from zkit.core.stash import Stash
     from zkit.core.step_context import StepContext
     from zkit.core.metrics import MetricsMonitor
+    from zkit.core.microstep import BackwardContext
 
 PROJECT = "zkit"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -205,7 +212,7 @@ def zkit_configure(config: ZkitConfig, device: torch.device | None) -> Stack | N
 
 
 @hookspec(firstresult=True)
-def zkit_client_optimizer(engine: Engine, optimizer: Any) -> OptimizerRecord | None:
+def zkit_client_optimizer(optimizer: Any) -> OptimizerRecord | None:
     """Turn the ``optimizer=`` given to :func:`zkit.initialize` into the
     :class:`~zkit.core.records.OptimizerRecord` the partitioner builds over its shards. Called
     once per engine, before the partitioner is built, when neither the config nor the stack
@@ -222,14 +229,15 @@ def zkit_client_optimizer(engine: Engine, optimizer: Any) -> OptimizerRecord | N
 
 
 @hookspec(firstresult=True)
-def zkit_client_lr_scheduler(engine: Engine, lr_scheduler: Any) -> Any:
+def zkit_client_lr_scheduler(lr_scheduler: Any, optimizer: torch.optim.Optimizer) -> Any:
     """Turn the ``lr_scheduler=`` given to :func:`zkit.initialize` into the schedule the engine
     steps (``engine.lr_scheduler``; it has ``step()``, ``get_last_lr()``, ``state_dict()`` and
-    ``load_state_dict()``). Called once per engine, after ``engine.optimizer`` is built, when a
-    scheduler was given and neither the config nor the stack chooses one.
+    ``load_state_dict()``). Called once per engine, after the engine's optimizer is built
+    (``optimizer``, the one the schedule must step), when a scheduler was given and neither the
+    config nor the stack chooses one.
 
     The built-in answer (``trylast``, :mod:`zkit.optim.client`) calls a callable ``optimizer ->
-    scheduler`` with ``engine.optimizer``, and moves a scheduler built over another optimizer
+    scheduler`` with ``optimizer``, and moves a scheduler built over another optimizer
     onto it (learning rates carried over). Return ``None`` to leave it to the next plugin; no
     answer at all is an error naming this hook. First non-None answer wins."""
 
@@ -239,17 +247,26 @@ def zkit_engine_setup(engine: Engine) -> None:
     """Called once when the engine is fully built (partitioner, optimizer and LR schedule in
     place), before the first forward. Attach monitors, prefetchers, hang detectors here. The
     built-in host-memory plugin (``trylast``: after the others) gives back to the system the host
-    memory that building freed (``ZKIT_HOST_MALLOC``, :mod:`zkit.host_memory`)."""
+    memory that building freed (``ZKIT_HOST_MALLOC``, :mod:`zkit.host_memory`).
+
+    It gets the whole engine because it is where a plugin attaches to the engine as built (the
+    activation-checkpointing section applied to ``engine.module``, a 1-bit optimizer attached to
+    ``engine.partitioner``, a monitor reading the config): keep what you make in
+    ``engine.stash``, not in attributes of the engine."""
 
 
 @hookspec(firstresult=True)
-def zkit_sequence_parallel(engine: Engine, size: int) -> Any:
+def zkit_sequence_parallel(
+    module: torch.nn.Module, assembly: Assembly, stash: Stash, config: ZkitConfig, device: torch.device, size: int
+) -> Any:
     """Set up sequence parallelism for an engine whose config's ``sequence_parallel_size`` is
     ``size`` (> 1) and return the torch.distributed process group of this rank's sequence-parallel
-    ranks: ranks ``r * size`` to ``r * size + size - 1`` split one sequence between them and count
+    ranks; ``module`` is the engine's model (cast, not yet partitioned), ``assembly`` where
+    communicators over new groups come from (:meth:`~zkit.core.assembly.Assembly.communicator`),
+    ``stash`` the engine's plugin state, ``config`` and ``device`` the engine's: ranks ``r * size`` to ``r * size + size - 1`` split one sequence between them and count
     as one data-parallel replica in the batch sizes; the partitioner still shards over every rank.
-    Called once per engine (collective: every rank calls it), after ``engine.assembly`` exists
-    and before the partitioner is built; the engine keeps the answer as
+    Called once per engine (collective: every rank calls it), after the assembly exists and
+    before the partitioner is built; the engine keeps the answer as
     ``engine.sequence_parallel_group``. The answer makes the model compute on slices of each
     sequence (zkit-sequence binds its Ulysses attention and its loss to the group's communicator)
     and refuses, here, at initialize, what it cannot run. No answer is an error naming the key.
@@ -275,9 +292,9 @@ def zkit_model_built_partitioned(assembly: Assembly) -> None:
 
 
 @hookspec(firstresult=True)
-def zkit_make_monitor(engine: Engine) -> MetricsMonitor | None:
-    """Return the object behind ``engine.monitor``: it receives the step metrics as ``(tag,
-    value, step)`` events on rank 0, and user code may write its own events to it (as DeepSpeed's
+def zkit_make_monitor(config: ZkitConfig, rank: int) -> MetricsMonitor | None:
+    """Return the object behind ``engine.monitor``, for the engine's ``config`` on data-parallel
+    ``rank``: it receives the step metrics as ``(tag, value, step)`` events on rank 0, and user code may write its own events to it (as DeepSpeed's
     ``engine.monitor.write_events``). It follows :class:`zkit.core.metrics.MetricsMonitor`.
     The built-in answer (``trylast``, :mod:`zkit.monitor`) opens the writers the ``csv_monitor``
     and ``tensorboard`` sections enable; a plugin answering first replaces it (wrap it with
@@ -291,7 +308,10 @@ def zkit_train_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
     ``engine.train_batch(data_iter)`` calls this. The built-in implementation (``trylast``) takes
     ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and runs
     forward/backward/step on each. A pipeline plugin answers with its own schedule. First non-None
-    answer wins."""
+    answer wins. It gets the whole engine because an answer drives it as a training loop does
+    (``engine(batch)``, ``engine.backward``, ``engine.step``; a schedule of its own runs
+    ``engine.micro_step_protocol`` and ``engine.run_optimizer_step`` and accounts the batch with
+    ``engine.finish_global_batch``)."""
 
 
 @hookspec(firstresult=True)
@@ -302,14 +322,17 @@ def zkit_eval_batch(engine: Engine, data_iter: Iterable[Any]) -> Any:
     ``gradient_accumulation_steps`` micro-batches from ``data_iter`` and runs the model's forward on
     each under ``torch.no_grad()`` in eval mode (restoring train mode after). A pipeline plugin
     answers with a forward-only pass through its stages. No gradient, optimizer state or step
-    counter changes. First non-None answer wins."""
+    counter changes. First non-None answer wins. It gets the whole engine for the reason
+    :func:`zkit_train_batch` does: an answer drives the engine's forward."""
 
 
 @hookspec
-def zkit_before_backward(engine: Engine, loss: Any, boundary: bool) -> None:
+def zkit_before_backward(micro_step: BackwardContext, loss: Any, boundary: bool) -> None:
     """Called before every backward pass that accumulates parameter gradients, by the one
     micro-step protocol (:class:`zkit.core.microstep.MicroStep`) that ``engine.backward(loss)`` and
     schedules driving their own micro-batches (a pipeline stage's backward instructions) share.
+    ``micro_step`` (:class:`~zkit.core.microstep.BackwardContext`) holds the partitioner, the
+    data-parallel communicator, the allocator and the stash.
     ``loss`` is the micro-batch's loss before scaling, or ``None`` on a pipeline stage that
     back-propagates the gradient it received from the next stage. ``boundary``: this backward
     ends the batch (the optimizer step comes next); zkit-offload's ``step_in_backward`` starts
@@ -317,7 +340,7 @@ def zkit_before_backward(engine: Engine, loss: Any, boundary: bool) -> None:
 
 
 @hookspec
-def zkit_after_backward(engine: Engine) -> None:
+def zkit_after_backward(micro_step: BackwardContext) -> None:
     """Called after every backward pass of the micro-step protocol (see
     :func:`zkit_before_backward`), once back-propagation and the partitioner's gradient reduction
     of this micro-step have finished."""
@@ -331,7 +354,8 @@ def zkit_phase(engine: Engine, phase: str) -> contextlib.AbstractContextManager 
     ``"backward"`` (the micro-step protocol: back-propagation and the partitioner's gradient
     reduction) or ``"step"`` (the optimizer step at a boundary). The contexts of every plugin
     are entered in hook order and left in reverse. The built-in telemetry plugin times the
-    phases here (``wall_clock_breakdown``). Keep it cheap: it runs three times per micro-step."""
+    phases here (``wall_clock_breakdown``). Keep it cheap: it runs three times per micro-step.
+    It gets the whole engine, as :func:`zkit_after_step` does, for a plugin that reports on it."""
 
 
 @hookspec
@@ -340,7 +364,8 @@ def zkit_model_pass(engine: Engine, direction: str) -> contextlib.AbstractContex
     ``None``: ``direction`` is ``"forward"`` (the module's forward, inside the partitioner's
     forward context, so saved-tensor hooks installed here come after stage 3's) or
     ``"backward"`` (the autograd backward call alone, inside the micro-step protocol). The
-    built-in telemetry plugin counts the first micro-step's FLOPs and activations here."""
+    built-in telemetry plugin counts the first micro-step's FLOPs and activations here. It gets
+    the whole engine, as :func:`zkit_after_step` does, for a plugin that reports on it."""
 
 
 @hookspec
@@ -349,7 +374,10 @@ def zkit_after_step(engine: Engine, losses: list[torch.Tensor]) -> None:
     overflow), with ``engine.global_steps`` already advanced. ``losses`` are the detached
     losses of the batch's micro-steps, still on the device: read their values only when you
     need them (reading one waits for the device). The built-in telemetry plugin logs the step
-    line and hands the metrics to ``engine.monitor`` here."""
+    line and hands the metrics to ``engine.monitor`` here. It gets the whole engine because a
+    report reads what the engine's public accessors say (``global_steps``, ``get_lr()``,
+    ``loss_scale``, ``get_global_grad_norm()``, ``comm_stats()``, ``memory()``) and writes to
+    ``engine.monitor``; read, do not change."""
 
 
 @hookspec(firstresult=True)
@@ -402,13 +430,15 @@ def zkit_checkpoint_save(engine: Engine) -> dict[str, Any] | None:
     """Return extra state to store in this rank's checkpoint file (tensors, numbers, strings,
     nested dicts and lists; no arbitrary objects: checkpoints are loaded with
     ``weights_only=True``). The returned dict is stored under the plugin's own key; return
-    ``None`` for nothing."""
+    ``None`` for nothing. It gets the whole engine because a plugin's state lives where it attached
+    it at :func:`zkit_engine_setup` (an optimizer's, a communicator's, the stash)."""
 
 
 @hookspec
 def zkit_checkpoint_load(engine: Engine, state: dict[str, Any]) -> None:
     """Restore what ``zkit_checkpoint_save`` stored. ``state`` maps each plugin's key to what it
-    returned at save time (missing keys when the checkpoint was written without the plugin)."""
+    returned at save time (missing keys when the checkpoint was written without the plugin). It
+    gets the whole engine for the reason :func:`zkit_checkpoint_save` does."""
 
 
 @hookspec(firstresult=True)
@@ -423,7 +453,9 @@ def zkit_checkpoint_format(
     saves in ``"zkit"`` and loads with the first registered format whose ``detect(path, tag)``
     recognises the directory, else ``"zkit"``, whose ``load`` warns and returns ``(None, None)``
     when there is nothing to load (no tag, no ``latest`` file). Answer it to route a run's
-    checkpoints to a format of your own. First non-None answer wins."""
+    checkpoints to a format of your own. First non-None answer wins. It gets the whole engine
+    because the format it answers saves or fills all of it (the record's ``save(engine, ...)`` and
+    ``load(engine, ...)``), so the choice may depend on any of it."""
 
 
 @hookspec(firstresult=True)
@@ -433,7 +465,8 @@ def zkit_save_16bit_model(engine: Engine, path: Path, exclude_frozen_parameters:
     it was written. ``None`` leaves it to the next plugin, on every rank alike. The built-in
     (``zkit.checkpoint.sixteen_bit``) gathers partitioned parameters module by module, and at ZeRO
     stage 3 without ``stage3_gather_16bit_weights_on_model_save`` writes nothing, warns and returns
-    False, as DeepSpeed does."""
+    False, as DeepSpeed does. It gets the whole engine because gathering the model's state takes
+    its module, partitioner, communicators and config."""
 
 
 @hookspec(firstresult=True)
@@ -441,13 +474,14 @@ def zkit_consolidated_16bit_state_dict(engine: Engine, exclude_frozen_parameters
     """``engine.consolidated_16bit_state_dict`` (ZeRO stage 3): the model's whole ``state_dict``
     in its training dtype on the host of the world's first rank, an empty dict on the others (the
     engine hands them ``None``); every rank calls it. ``None`` leaves it to the next plugin, on
-    every rank alike."""
+    every rank alike. It gets the whole engine for the reason :func:`zkit_save_16bit_model` does."""
 
 
 @hookspec
 def zkit_engine_close(engine: Engine) -> None:
     """Called once when the engine is closed (``engine.close()``, or at interpreter exit). Free
-    files and threads: swap files, I/O pools, monitors."""
+    files and threads: swap files, I/O pools, monitors. It gets the whole engine because a plugin
+    releases here what it attached to it at :func:`zkit_engine_setup`."""
 
 
 @hookspec

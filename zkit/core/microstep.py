@@ -14,12 +14,30 @@ communicator state keyed by them) happen the same way.
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
+import attrs
 import torch
 
 if TYPE_CHECKING:  # pragma: no cover
+    from zkit.core.allocator import Allocator
+    from zkit.core.communicator import Communicator
     from zkit.core.engine import Engine
+    from zkit.core.partitioner import Partitioner
+    from zkit.core.stash import Stash
+
+
+@attrs.frozen(kw_only=True)
+class BackwardContext:
+    """What ``zkit_before_backward`` and ``zkit_after_backward`` see of the engine: the partitioner
+    whose reduction runs around the backward (its optimizer, its shards), the data-parallel
+    communicator it reduces over, the allocator (where its buffers and stores live), and the stash
+    (plugins' per-engine state)."""
+
+    partitioner: Partitioner
+    comm: Communicator
+    allocator: Allocator
+    stash: Stash
 
 
 class MicroStep:
@@ -43,11 +61,22 @@ class MicroStep:
         """Around one backward pass: ``loss`` is the micro-batch's unscaled loss (``None`` on a
         pipeline stage that back-propagates the gradient received from the next stage)."""
         engine, partitioner = self.engine, self.engine.partitioner
-        engine.pm.hook.zkit_before_backward(engine=engine, loss=loss, boundary=boundary)
+        context = self.hook_context()
+        engine.pm.hook.zkit_before_backward(micro_step=context, loss=loss, boundary=boundary)
         with partitioner.backward_context(boundary):
             yield
         partitioner.after_backward(boundary)
-        engine.pm.hook.zkit_after_backward(engine=engine)
+        engine.pm.hook.zkit_after_backward(micro_step=context)
+
+    def hook_context(self) -> BackwardContext:
+        """The backward hooks' view of the engine (made once: the parts it holds are the engine's
+        for its life)."""
+        context: Any = getattr(self, "_context", None)
+        if context is None:
+            engine = self.engine
+            context = self._context = BackwardContext(partitioner=engine.partitioner, comm=engine.comm,
+                                                      allocator=engine.allocator, stash=engine.stash)
+        return context
 
     def reduce(self) -> None:
         """Reduce the batch's gradients now, when its last backward could not (a pipeline sums

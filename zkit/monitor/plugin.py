@@ -15,5 +15,5 @@ def zkit_config_sections():
 
 
 @zkit.hookimpl(trylast=True)
-def zkit_make_monitor(engine):
-    return Monitor(monitor_sections(engine.config), engine.rank)
+def zkit_make_monitor(config, rank):
+    return Monitor(monitor_sections(config), rank)

@@ -180,10 +180,10 @@ def zkit_register_optimizers():
 
 
 @zkit.hookimpl(trylast=True)
-def zkit_client_optimizer(engine, optimizer):
+def zkit_client_optimizer(optimizer):
     return client_optimizer_record(optimizer)
 
 
 @zkit.hookimpl(trylast=True)
-def zkit_client_lr_scheduler(engine, lr_scheduler):
-    return client_lr_scheduler(lr_scheduler, engine.optimizer)
+def zkit_client_lr_scheduler(lr_scheduler, optimizer):
+    return client_lr_scheduler(lr_scheduler, optimizer)

@@ -34,7 +34,7 @@ class _Store:
         self.began.append((optimizer, owned, publish))
 
 
-def _engine(store):
+def _micro_step(store):
     partitioner = types.SimpleNamespace(optimizer="opt", owned=["piece"], publish_from_buffer="publish")
     return types.SimpleNamespace(allocator=types.SimpleNamespace(master_store_made=store), partitioner=partitioner)
 
@@ -42,18 +42,18 @@ def _engine(store):
 def test_the_step_in_backward_begins_through_the_hook_at_the_boundary_only():
     store = _Store(step_in_backward=True)
     pm = get_plugin_manager()
-    pm.hook.zkit_before_backward(engine=_engine(store), loss=None, boundary=False)
+    pm.hook.zkit_before_backward(micro_step=_micro_step(store), loss=None, boundary=False)
     assert store.began == []
-    pm.hook.zkit_before_backward(engine=_engine(store), loss=None, boundary=True)
+    pm.hook.zkit_before_backward(micro_step=_micro_step(store), loss=None, boundary=True)
     assert store.began == [("opt", ["piece"], "publish")]
 
 
 @pytest.mark.parametrize("store", [_Store(step_in_backward=False), None])
 def test_without_step_in_backward_the_hook_does_nothing(store):
-    plugin.zkit_before_backward(engine=_engine(store), boundary=True)
+    plugin.zkit_before_backward(micro_step=_micro_step(store), boundary=True)
     assert store is None or store.began == []
     # an allocator that is not zkit-offload's has no such store
-    plugin.zkit_before_backward(engine=types.SimpleNamespace(allocator=object(), partitioner=None), boundary=True)
+    plugin.zkit_before_backward(micro_step=types.SimpleNamespace(allocator=object(), partitioner=None), boundary=True)
 
 
 def test_the_nvme_alignment_comes_from_its_allocator_record():

@@ -20,6 +20,6 @@ def zkit_register_checkpoint_formats():
 
 
 @zkit.hookimpl(tryfirst=True)
-def zkit_sequence_parallel(engine, size):
+def zkit_sequence_parallel(module, size):
     # only while deepspeed.initialize builds an engine from DeepSpeed's groups; else zkit-sequence answers
-    return sequence_group(engine, size)
+    return sequence_group(module, size)

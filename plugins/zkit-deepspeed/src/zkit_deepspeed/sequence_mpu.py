@@ -78,15 +78,15 @@ def building_mpu() -> Any:
     return _BUILDING.get()
 
 
-def sequence_group(engine: Any, size: int) -> Any:
+def sequence_group(module: torch.nn.Module, size: int) -> Any:
     """The ``zkit_sequence_parallel`` answer while ``building_with(mpu)``: ``mpu``'s group, whose
     ``size`` ranks run the model's ``UlyssesSPAttentionHF``; None otherwise (zkit-sequence answers)."""
     mpu = _BUILDING.get()
     if mpu is None:
         return None
-    if getattr(engine.module, "data_parallel_group", None) is not None:
+    if getattr(module, "data_parallel_group", None) is not None:
         raise ValueError(f"mpu= with sequence-parallel groups of {size} ranks and a model that brings its own "
-                         f"data-parallel group ({type(engine.module).__name__}: zkit-pipeline's pipeline or tensor "
+                         f"data-parallel group ({type(module).__name__}: zkit-pipeline's pipeline or tensor "
                          f"parallelism) is not supported: use one or the other")
     group = mpu.get_sequence_parallel_group()
     if torch.distributed.get_world_size(group) != size:

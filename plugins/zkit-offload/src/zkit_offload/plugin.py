@@ -165,13 +165,13 @@ def zkit_configure(config):
 
 
 @zkit.hookimpl
-def zkit_before_backward(engine, boundary):
+def zkit_before_backward(micro_step, boundary):
     """``offload_optimizer.step_in_backward``: before the backward that ends a batch, the NVMe
     master store starts stepping each sub-group as its gradients complete
     (:mod:`zkit_offload.backward_step`); the partitioner's ``step`` then finishes that step."""
-    store = getattr(getattr(engine, "allocator", None), "master_store_made", None)
+    store = getattr(micro_step.allocator, "master_store_made", None)
     if boundary and store is not None and store.step_in_backward:
-        partitioner = engine.partitioner
+        partitioner = micro_step.partitioner
         store.begin_last_backward(partitioner.optimizer, partitioner.owned, partitioner.publish_from_buffer)
 
 

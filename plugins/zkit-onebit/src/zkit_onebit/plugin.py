@@ -94,10 +94,10 @@ def zkit_grad_norm(step):
 
 
 @zkit.hookimpl
-def zkit_after_backward(engine):
+def zkit_after_backward(micro_step):
     # The partitioner's reductions of this backward are done: the next ones start a new round.
     seen = set()
-    for comm in (getattr(engine, "comm", None), getattr(getattr(engine, "partitioner", None), "comm", None)):
+    for comm in (micro_step.comm, getattr(micro_step.partitioner, "comm", None)):
         if isinstance(comm, OneBitCommunicator) and id(comm) not in seen:
             seen.add(id(comm))
             comm.end_round()

@@ -25,10 +25,9 @@ def zkit_register_attention():
 
 
 @zkit.hookimpl
-def zkit_sequence_parallel(engine: Any, size: int) -> Any:
+def zkit_sequence_parallel(module: Any, assembly: Any, stash: Any, config: Any, device: Any, size: int) -> Any:
     """Build the sequence and data-parallel groups, bind the model's sequence-parallel parts, and
     refuse what they cannot run, at initialize."""
-    module = engine.module
     if getattr(module, "data_parallel_group", None) is not None:
         # the engine's protocol for a model split over a grid of its own (zkit-pipeline)
         raise ValueError(
@@ -36,7 +35,7 @@ def zkit_sequence_parallel(engine: Any, size: int) -> Any:
             f"({type(module).__name__}: zkit-pipeline's pipeline or tensor parallelism) is not supported: sequence "
             f"parallelism splits the whole world into sequence groups; use one or the other"
         )
-    groups = build_groups(size, engine.assembly.communicator)
+    groups = build_groups(size, assembly.communicator)
     bind_model(module, groups.comm)
     if not any(isinstance(m, UlyssesAttention) for m in module.modules()):
         raise ValueError(
@@ -44,13 +43,13 @@ def zkit_sequence_parallel(engine: Any, size: int) -> Any:
             f"over its slice of the sequence only; build its attention with "
             f"zkit.core.attention.build_attention('ulysses', inner=..., num_heads=...) (zkit-sequence)"
         )
-    engine.stash[GROUPS] = groups
-    if activations_in_host_memory(engine):
+    stash[GROUPS] = groups
+    if activations_in_host_memory(config, device):
         return_freed_memory(because="sequence parallelism with activations in host memory")
     return groups.sequence
 
 
-def activations_in_host_memory(engine: Any) -> bool:
+def activations_in_host_memory(config: Any, device: Any) -> bool:
     """Whether a step's activations (or their checkpoints) live in host memory: a CPU device, or
     ``activation_checkpointing.cpu_checkpointing``. A long sequence's activations, not the model
     states that zkit's host-memory policy weighs, then fill the rank's memory, as tensors of a few
@@ -59,9 +58,9 @@ def activations_in_host_memory(engine: Any) -> bool:
     the heap keeps what they leave. Measured on bench_sequence.py's model (Ulysses 4, tiled MLP and
     loss, 8,192 tokens): a rank's resident set grew 224 MiB over initialize for 35 MiB of live
     tensors; with freed memory returned, 81 MiB."""
-    if engine.device.type == "cpu":
+    if device.type == "cpu":
         return True
-    section = engine.config.section("activation_checkpointing")
+    section = config.section("activation_checkpointing")
     return section is not None and section.cpu_checkpointing
 
 
