@@ -27,3 +27,26 @@ def test_the_index_names_every_page():
         name = page.relative_to(ROOT / "docs").as_posix()
         if name != "index.md":
             assert f"]({name})" in index, f"docs/index.md does not list {name}"
+
+
+def _readme_layout() -> str:
+    readme = (ROOT / "README.md").read_text()
+    layout = readme[readme.index("## Layout"):]
+    return layout[layout.index("```"):layout.index("```", layout.index("```") + 3)]
+
+
+def test_the_readme_is_a_front_page():
+    """At most 1000 words, opening with the two set-up commands."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.split()) <= 1000
+    assert readme.splitlines()[1].startswith("make demo") and readme.splitlines()[2].startswith("make test")
+
+
+def test_the_readme_layout_names_every_folder_and_module_of_zkit():
+    layout = _readme_layout()
+    missing = [path.name for path in sorted((ROOT / "zkit").iterdir())
+               if (path.is_dir() and (path / "__init__.py").exists() and f"{path.name}/" not in layout)
+               or (path.suffix == ".py" and path.name != "__init__.py" and path.name not in layout)]
+    assert missing == [], f"README's layout does not name {missing}"
+    for folder in ("plugins/", "cuda_numba/", "contrib/", "tools/"):
+        assert folder in layout

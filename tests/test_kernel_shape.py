@@ -35,6 +35,48 @@ def test_no_plugin_distribution_is_imported_and_no_communicator_built_directly(r
     assert report["communicator_constructions"] == []
 
 
+@pytest.fixture(scope="module")
+def imports(report):
+    return sys.modules["kernel_report"].import_contract()
+
+
+def test_built_ins_depend_one_way_through_public_names(imports):
+    """No circle between built-in packages, and a built-in reaches another only through the names
+    its package ``__init__`` exports (or the core)."""
+    assert imports["package_circles"] == []
+    assert imports["builtin_private_imports"] == []
+    assert imports["builtin_dependencies"]  # the pass sees the built-ins' imports of each other
+
+
+def test_installed_plugins_import_only_public_names(imports):
+    """Installed plugins (plugins/*, cuda_numba/) import a built-in's package or the core, never one
+    of its modules: a change inside zkit/zero/flat.py breaks no distribution."""
+    assert imports["plugin_private_imports"] == {}
+
+
+def test_the_contract_pass_finds_a_private_import_and_a_circle(tmp_path):
+    """The pass itself: a plugin importing a built-in's module, and two built-ins importing each
+    other, are what it reports."""
+    kernel_report = sys.modules["kernel_report"]
+    for package, text in {"a": "from zkit.b.inner import x\n", "b": "from zkit.a import y\n"}.items():
+        (tmp_path / "zkit" / package).mkdir(parents=True)
+        (tmp_path / "zkit" / package / "__init__.py").write_text(text)
+    (tmp_path / "zkit" / "b" / "inner.py").write_text("x = 1\n")
+    (tmp_path / "zkit" / "__init__.py").write_text("")
+    (tmp_path / "plug" / "plug").mkdir(parents=True)
+    (tmp_path / "plug" / "plug" / "__init__.py").write_text("from zkit.b.inner import x\nfrom zkit.a import y\n")
+    original = kernel_report.ROOT
+    kernel_report.ROOT = tmp_path
+    try:
+        found = kernel_report.import_contract({"zkit": (tmp_path / "zkit", tmp_path),
+                                               "plug": (tmp_path / "plug" / "plug", tmp_path / "plug")})
+    finally:
+        kernel_report.ROOT = original
+    assert found["package_circles"] == [["a", "b"]]
+    assert found["builtin_private_imports"] == ["zkit/a/__init__.py: zkit.b.inner"]
+    assert found["plugin_private_imports"] == {"plug": ["plug/plug/__init__.py: zkit.b.inner"]}
+
+
 def test_the_core_has_no_import_circle_even_counting_function_local_imports(report):
     assert [c for c in report["circles_with_local_imports"] if any(m.startswith("zkit.core") for m in c)] == []
     assert report["circles"] == []

@@ -27,7 +27,7 @@ names, unchanged, for every key zkit supports.
 ```python
 from zkit.core.config import load_config
 cfg = load_config("ds_config.json", world_size=8, sections=pm.config_sections())
-zero_config(cfg).stage, cfg.train_micro_batch_size_per_gpu, cfg.dtype  # zkit.zero.config.zero_config
+zero_config(cfg).stage, cfg.train_micro_batch_size_per_gpu, cfg.dtype  # zkit.zero.zero_config
 ```
 
 The kernel (`zkit.core.config`) holds the batch sizes, precision, optimizer, scheduler and the

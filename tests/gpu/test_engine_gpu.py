@@ -222,7 +222,7 @@ def test_block_sparse_attention_uses_the_cuda_kernels():
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_device_memory_held_between_steps_matches_the_estimator(stage):
-    from zkit.estimator.model_states import model_state_bytes
+    from zkit.zero.model_states import model_state_bytes
 
     gc.collect()  # an earlier test's engine (a failed test's traceback keeps one) is not ours
     torch.cuda.synchronize()

@@ -14,10 +14,41 @@ checkpoint per part, in ``<dir>/<tag>/<part>/``, under one tag (:mod:`zkit.check
 
 This is the ``"zkit"`` checkpoint format; the engine and ``zkit consolidate`` reach it, DCP, the
 Hugging Face export and any format a plugin registers through :mod:`zkit.checkpoint.formats`.
-"""
-from zkit.checkpoint.consolidate import consolidate
-from zkit.core.checkpoint_errors import CheckpointError
-from zkit.checkpoint.load import load_checkpoint
-from zkit.checkpoint.save import save_checkpoint
 
-__all__ = ["CheckpointError", "consolidate", "load_checkpoint", "save_checkpoint"]
+The public names below are what other packages use: saving, loading and consolidating whole
+checkpoints; and, for a format that reads another layout into zkit's pieces (the drop-in's
+DeepSpeed checkpoints), the rank files and metadata (``META``, :func:`rank_file`,
+:func:`read_meta`, :func:`load_rank_file`), tags (:func:`read_latest`, :func:`tag_directory`), the
+copy of saved ranges into the pieces a rank owns (:func:`fill_pieces`), the checks a load makes
+(:func:`check_params`, :func:`check_module_extras`, :func:`load_module_extras`) and a
+consolidation's plan (:func:`plan_consolidation`, :class:`Plan`, :class:`PlannedTensor`,
+:func:`write_planned`).
+"""
+from zkit.checkpoint.consolidate import Plan, PlannedTensor, consolidate, plan_consolidation, write_planned
+from zkit.checkpoint.files import META, load_rank_file, rank_file, read_meta
+from zkit.checkpoint.fill import fill_pieces
+from zkit.checkpoint.load import check_module_extras, check_params, load_checkpoint, load_module_extras
+from zkit.checkpoint.save import save_checkpoint
+from zkit.checkpoint.tags import read_latest, tag_directory
+from zkit.core.checkpoint_errors import CheckpointError
+
+__all__ = [
+    "META",
+    "CheckpointError",
+    "Plan",
+    "PlannedTensor",
+    "check_module_extras",
+    "check_params",
+    "consolidate",
+    "fill_pieces",
+    "load_checkpoint",
+    "load_module_extras",
+    "load_rank_file",
+    "plan_consolidation",
+    "rank_file",
+    "read_latest",
+    "read_meta",
+    "save_checkpoint",
+    "tag_directory",
+    "write_planned",
+]

@@ -77,7 +77,7 @@ class Consolidated:
 
 
 @attrs.frozen
-class _Entry:
+class PlannedTensor:
     """One tensor of the output: where its values come from and its output dtype."""
 
     name: str
@@ -132,7 +132,7 @@ def write_consolidated(
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
-        write_file(plan, plan.entries, staging / out.name)
+        write_planned(plan, plan.entries, staging / out.name)
         os.replace(staging / out.name, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -156,7 +156,7 @@ class Plan:
     where: Path
     files: PieceSource
     sources: dict[str, list[tuple[str, int, int]]]
-    entries: list[_Entry]
+    entries: list[PlannedTensor]
     checksums: dict[str, dict[str, str]] | None
     dtype: str
 
@@ -193,7 +193,7 @@ def plan_consolidation(
     )
 
 
-def write_file(plan: Plan, entries: list[_Entry], path: Path) -> None:
+def write_planned(plan: Plan, entries: list[PlannedTensor], path: Path) -> None:
     """Write ``entries`` (all of the plan's or a shard of them) to ``path``: safetensors or, for a
     ``.pt``/``.bin`` name, a torch archive. Damaged bytes are refused before anything is renamed
     into place by the caller."""
@@ -246,7 +246,7 @@ def _entries(
     extras: dict[str, tuple[tuple[int, ...], torch.dtype]],
     out_dtype: torch.dtype,
     where: Path,
-) -> list[_Entry]:
+) -> list[PlannedTensor]:
     """The output tensors in the model's ``state_dict()`` order (metadata order for checkpoints
     written before ``state_dict_keys`` was recorded)."""
     shapes = meta["params"]
@@ -262,10 +262,10 @@ def _entries(
     for key in keys:
         canonical = aliases.get(key, key)
         if canonical in shapes:
-            entries.append(_Entry(key, tuple(shapes[canonical]), out_dtype, canonical, True))
+            entries.append(PlannedTensor(key, tuple(shapes[canonical]), out_dtype, canonical, True))
         elif canonical in extras:
             shape, dt = extras[canonical]
-            entries.append(_Entry(key, shape, cast(dt), canonical, False))
+            entries.append(PlannedTensor(key, shape, cast(dt), canonical, False))
         else:
             raise CheckpointError(
                 f"{where}: state dict entry {key!r} is neither a saved parameter nor a buffer in {rank_file(0)}"
@@ -275,7 +275,7 @@ def _entries(
 
 # -- output layouts: byte offset of every entry in the file ---------------------------------------
 
-def _safetensors_layout(path: Path, entries: list[_Entry]) -> dict[str, int]:
+def _safetensors_layout(path: Path, entries: list[PlannedTensor]) -> dict[str, int]:
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     pos = 0
     for e in entries:
@@ -297,7 +297,7 @@ def _safetensors_layout(path: Path, entries: list[_Entry]) -> dict[str, int]:
     return {e.name: start + header[e.name]["data_offsets"][0] for e in entries}
 
 
-def _torch_layout(path: Path, entries: list[_Entry]) -> dict[str, int]:
+def _torch_layout(path: Path, entries: list[PlannedTensor]) -> dict[str, int]:
     """``torch.save`` a dict of placeholder tensors without their bytes; return where each
     storage record's bytes begin. Aliases share their canonical tensor's storage, as in a state
     dict saved from the model itself."""
@@ -417,7 +417,7 @@ class _Shards:
 
 def _fill(
     path: Path,
-    entries: list[_Entry],
+    entries: list[PlannedTensor],
     offsets: dict[str, int],
     sources: dict[str, list[tuple[str, int, int]]],
     files: PieceSource,

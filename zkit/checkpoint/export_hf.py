@@ -22,7 +22,7 @@ from pathlib import Path
 
 import attrs
 
-from zkit.checkpoint.consolidate import _Entry, plan_consolidation, write_file
+from zkit.checkpoint.consolidate import PlannedTensor, plan_consolidation, write_planned
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.core.plugin_manager import ZkitPluginManager
 
@@ -73,9 +73,9 @@ def _config_files(config: str | os.PathLike[str]) -> list[tuple[Path, str]]:
     raise CheckpointError(f"{src}: not a directory with config.json nor a .json file")
 
 
-def _shards(entries: list[_Entry], max_bytes: int) -> list[list[_Entry]]:
+def _shards(entries: list[PlannedTensor], max_bytes: int) -> list[list[PlannedTensor]]:
     """Entries in order, cut into shards of at most ``max_bytes`` (a larger tensor alone)."""
-    shards: list[list[_Entry]] = [[]]
+    shards: list[list[PlannedTensor]] = [[]]
     size = 0
     for e in entries:
         if shards[-1] and size + e.nbytes > max_bytes:
@@ -121,7 +121,7 @@ def write_hf_pretrained(
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         for name, shard in zip(names, shards):
-            write_file(plan, shard, staging / name)
+            write_planned(plan, shard, staging / name)
         if len(shards) > 1:
             index = {
                 "metadata": {"total_size": sum(e.nbytes for e in kept)},

@@ -15,7 +15,8 @@ from zkit.checkpoint.fill import StagedPieces, fill_pieces
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.files import META, file_digests, load_rank_file, rank_file, read_meta
 from zkit.checkpoint.tags import resolve_tag
-from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
+from zkit.checkpoint.parts import check_layout, refuse_mismatch
+from zkit.core.model_parts import model_part
 from zkit.core.verdicts import agree, agreed
 
 if TYPE_CHECKING:  # pragma: no cover

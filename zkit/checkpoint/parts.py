@@ -1,8 +1,7 @@
 """Checkpoints of models split over model-parallel ranks (pipeline stages, tensor slices).
 
-A model that is split exposes ``model_parallel_part``: ``(name, layout)``, the name of the part
-this rank holds (``"pipe01"``, ``"pipe00-tensor01"``) and the layout of all parts (a dict the same
-on every rank, e.g. ``{"pipe": 2, "tensor": 1, "layer_bounds": [...]}``). The ranks holding one part
+A model that is split exposes ``model_parallel_part`` (:mod:`zkit.core.model_parts`: the name
+of the part this rank holds and the layout of all parts). The ranks holding one part
 are that part's data-parallel group (``engine.comm``); they write the part as an ordinary sharded
 checkpoint in ``<tag>/<name>/`` (rank files, the part's own metadata), so loading reshards within a
 part exactly as for an unsplit model: a different data-parallel degree loads. The tag's own
@@ -14,32 +13,9 @@ with the difference named.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 from zkit.core.checkpoint_errors import CheckpointError
-
-
-@runtime_checkable
-class LayerNamed(Protocol):
-    """A split model whose parameters have names that do not depend on the split (a pipeline's
-    ``<layer index>.<name>``), so that a checkpoint of another split loads by name."""
-
-    def layer_names(self) -> dict[str, str]:
-        """``{name in this module: name in the whole model}`` of every parameter and buffer held here."""
-        ...
-
-
-def model_part(module: Any) -> tuple[str, dict[str, Any]] | None:
-    """``(name, layout)`` of the part of a split model this rank holds, or None."""
-    part = getattr(module, "model_parallel_part", None)
-    if part is None:
-        return None
-    name, layout = part
-    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
-        raise CheckpointError(f"model_parallel_part name {name!r} must be a plain directory name")
-    if not isinstance(layout, dict):
-        raise CheckpointError(f"model_parallel_part layout must be a dict, got {type(layout).__name__}")
-    return name, layout
 
 
 def check_layout(where: Path, saved: dict[str, Any], ours: dict[str, Any]) -> None:

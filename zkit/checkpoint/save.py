@@ -15,7 +15,7 @@ from zkit.checkpoint.digest import payload_digests
 from zkit.core.checkpoint_errors import CheckpointError
 from zkit.checkpoint.commit import commit, prepare, staging_directory
 from zkit.checkpoint.files import FORMAT, META, VERSION, atomic_torch_save, rank_file, write_meta
-from zkit.checkpoint.parts import model_part
+from zkit.core.model_parts import model_part
 from zkit.core.verdicts import agree, agreed
 
 if TYPE_CHECKING:  # pragma: no cover

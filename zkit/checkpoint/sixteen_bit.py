@@ -2,7 +2,8 @@
 file, the way DeepSpeed writes ``pytorch_model.bin`` for serving or a Hugging Face upload.
 
 At stage 3 the weights are partitioned: they are gathered module by module (never the whole model
-at once on any rank) when ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` is true,
+at once on any rank) when the partitioner says it may (``Partitioner.gathers_for_16bit_save``:
+ZeRO's answer is ``zero_optimization.stage3_gather_16bit_weights_on_model_save``),
 and otherwise nothing is written and the call returns False with a warning, as DeepSpeed does (the
 sharded checkpoint plus ``zkit consolidate`` is the way out that needs no gathering).
 
@@ -19,7 +20,6 @@ import torch
 
 from zkit.checkpoint.files import atomic_torch_save, fs_error
 from zkit.core.verdicts import agreed
-from zkit.zero.config import zero_config
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit.core.engine import Engine
@@ -29,7 +29,7 @@ log = logging.getLogger("zkit")
 
 def save_16bit_model(engine: "Engine", path: Path, exclude_frozen_parameters: bool) -> bool:
     zero3 = engine.partitioner.stage == 3
-    if zero3 and not zero_config(engine.config).stage3_gather_16bit_weights_on_model_save:
+    if zero3 and not engine.partitioner.gathers_for_16bit_save():
         log.warning(
             "did not save the model %s: at ZeRO stage 3 it needs stage3_gather_16bit_weights_on_model_save: true "
             "(or save_checkpoint and `zkit consolidate`)",

@@ -224,6 +224,13 @@ class Partitioner(abc.ABC):
         partitioner that keeps parameters partitioned gathers them). Default: nothing to do."""
         return contextlib.nullcontext()
 
+    def gathers_for_16bit_save(self) -> bool:
+        """Whether ``engine.save_16bit_model`` may gather partitioned parameters whole, module by
+        module, to write them (ZeRO stage 3 answers from ``stage3_gather_16bit_weights_on_model_save``;
+        without it the save writes nothing and warns, as DeepSpeed's). Default: True, nothing is
+        partitioned."""
+        return True
+
     def host_state_bytes(self) -> int:
         """Bytes this rank's model states take in host memory during a step, on a CPU device
         (the engine decides from it whether freed host memory goes back to the system). Default:

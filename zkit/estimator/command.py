@@ -8,7 +8,7 @@ and the activations of a GPT-shaped model for a batch, with and without checkpoi
     estimate_memory(num_params=7_000_000_000, world_sizes=(8, 64)).table()
 
 ``zkit estimate`` prints the same table. Model-state figures follow zkit's own layout exactly (see
-:mod:`zkit.estimator.model_states`); they are checked against ``engine.memory()``.
+:mod:`zkit.zero.model_states`); they are checked against ``engine.memory()``.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import attrs
 import torch
 
 from zkit.estimator.activations import gpt_activation_bytes
-from zkit.estimator.model_states import OFFLOADS, STAGES, StateBytes, model_state_bytes
+from zkit.zero import OFFLOADS, STAGES, StateBytes, model_state_bytes
 from zkit.core.plugin_manager import get_plugin_manager
 
 DTYPES = ("fp32", "fp16")
@@ -141,7 +141,7 @@ def estimate_memory(
     ``largest_layer`` overrides the largest unit stage 3 gathers at once (default: from the
     model's modules). ``stage3_max_reuse_distance``: the config key of that name (at the default,
     stage 3 keeps a model of fewer elements gathered from forward into backward)."""
-    from zkit.models.gpt import GPT, GPTConfig
+    from zkit.models import GPT, GPTConfig
 
     given = [x is not None for x in (model, num_params, gpt_config)]
     if sum(given) != 1:

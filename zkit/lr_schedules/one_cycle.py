@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from zkit.optim import params as check
+from zkit.core.config import params as check
 from zkit.lr_schedules.warmup import LRSchedule
 
 

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 
 import zkit
-from zkit.optim import params as check
+from zkit.core.config import params as check
 from zkit.lr_schedules.warmup import LRRangeTest, LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zkit.lr_schedules.one_cycle import OneCycle
 from zkit.core.records import SchedulerRecord

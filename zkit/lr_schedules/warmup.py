@@ -20,7 +20,7 @@ from typing import Any, Sequence
 
 import torch
 
-from zkit.optim import params as check
+from zkit.core.config import params as check
 
 WARMUP_TYPES = ("log", "linear")
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, Sequence
 import attrs
 import torch
 
-from zkit.optim import params as check
+from zkit.core.config import params as check
 
 _OWNER = "optimizer 'lamb'"
 _FUSED_DEVICES = ("cpu", "cuda")

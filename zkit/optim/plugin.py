@@ -27,7 +27,7 @@ from typing import Any, Iterable
 import torch
 
 import zkit
-from zkit.optim import params as check
+from zkit.core.config import params as check
 from zkit.optim.client import client_lr_scheduler, client_optimizer_record
 from zkit.optim.lamb import Lamb
 from zkit.core.records import OptimizerRecord

@@ -25,7 +25,7 @@ from collections import Counter
 import torch
 
 from zkit.core import distributed
-from zkit.checkpoint.parts import model_part
+from zkit.core.model_parts import model_part, pipeline_under_init_refusal
 from zkit.zero.sharded_params import ShardedUnit, ZeroParameter
 
 log = logging.getLogger("zkit")
@@ -122,17 +122,7 @@ def _refuse_pipeline_stages(module: torch.nn.Module, units: list[ShardedUnit]) -
     held = torch.tensor([1.0 if units else 0.0], device=distributed.default_device())
     torch.distributed.all_reduce(held, op=torch.distributed.ReduceOp.MAX)
     if held.item():
-        raise ValueError(pipeline_refusal(stages))
-
-
-def pipeline_refusal(stages: int) -> str:
-    """Why a model of ``stages`` pipeline stages cannot be built under Init (zkit-pipeline refuses
-    a PipelineModule built inside Init with it too)."""
-    return (f"zkit.zero.Init cannot build a model for pipeline parallelism ({stages} pipeline stages): Init "
-            f"partitions each layer over all ranks, and each stage keeps only its own layers, so they cannot be "
-            f"gathered back. Build the PipelineModule without zkit.zero.Init: each rank holds only its stage's "
-            f"layers (give them as LayerSpec, so that no rank builds another stage's); the pipeline runs ZeRO "
-            f"stages below 3, which hold whole parameters anyway")
+        raise ValueError(pipeline_under_init_refusal(stages))
 
 
 def _init_units(module: torch.nn.Module) -> list[ShardedUnit]:

@@ -18,7 +18,7 @@ import torch
 
 from zkit.core.allocator import Allocator
 from zkit.core.partitioner import PartitionContext
-from zkit.optim.fused_step import FusedStepOptimizer
+from zkit.optim import FusedStepOptimizer
 
 
 def takes_found_inf(optimizer: Any) -> bool:

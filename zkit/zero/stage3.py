@@ -45,6 +45,9 @@ class ModuleOrderDiverged(RuntimeError):
 class Stage3(Stage2):
     stage = 3
 
+    def gathers_for_16bit_save(self) -> bool:
+        return zero_config(self.ctx.config).stage3_gather_16bit_weights_on_model_save
+
     # -- layout ----------------------------------------------------------------------------------
     def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
         zc = zero_config(self.ctx.config)

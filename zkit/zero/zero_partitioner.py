@@ -19,7 +19,7 @@ import torch
 
 from zkit.core.copies import DONE, Copy
 from zkit.core.partitioner import GradPiece, PartitionContext, Partitioner, Piece
-from zkit.estimator.model_states import model_state_bytes
+from zkit.zero.model_states import model_state_bytes
 from zkit.zero import full_state
 from zkit.zero import offload_states as offloading
 from zkit.zero.config import zero_config

@@ -29,7 +29,7 @@ from zkit_cuda_numba import runtime
 def _fused_adam(param_groups, **params: Any):
     """The engine's FusedAdamCUDA: the config's Adam settings with DeepSpeed's names and defaults
     (``adam_w_mode`` true by default), stepping the partitioner's master views where they are."""
-    from zkit.optim.plugin import adam_settings
+    from zkit.optim import adam_settings
     from zkit_cuda_numba.fused_adam import FusedAdamCUDA
 
     decoupled, kwargs = adam_settings("fused_adam_cuda", params)

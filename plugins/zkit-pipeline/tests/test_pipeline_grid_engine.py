@@ -96,7 +96,8 @@ def test_tensor_parallel_module_needs_torch_distributed():
 
 def test_split_checkpoint_layout_mismatch_names_the_difference(tmp_path):
     from zkit.checkpoint import CheckpointError
-    from zkit.checkpoint.parts import check_layout, model_part, refuse_mismatch
+    from zkit.checkpoint.parts import check_layout, refuse_mismatch
+    from zkit.core.model_parts import model_part
 
     saved = {"pipe": 2, "tensor": 1, "layer_bounds": [0, 3, 6]}
     check_layout(tmp_path, saved, {"pipe": 2, "tensor": 1, "layer_bounds": (0, 3, 6)})  # tuples == lists

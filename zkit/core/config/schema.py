@@ -192,7 +192,7 @@ class ZkitConfig:
     def section(self, path: str) -> Any:
         """The structured plugin-owned section at the dotted ``path``: ``None`` when absent, unless
         its record is ``default_when_absent`` (then its defaults). The package that owns a section
-        gives a typed accessor for it (``zkit.zero.config.zero_config``)."""
+        gives a typed accessor for it (``zkit.zero.zero_config``)."""
         return self.plugin_sections.get(path)
 
     def to_dict(self) -> dict:

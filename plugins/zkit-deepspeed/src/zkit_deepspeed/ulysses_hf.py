@@ -42,7 +42,7 @@ class UlyssesSPAttentionHF(torch.nn.Module):
                  local_seq_length: int | None = None, global_seq_length: int | None = None,
                  disable_in_eval: bool = False) -> None:
         super().__init__()
-        from zkit.torch_distributed.deferred_communicator import DeferredCommunicator
+        from zkit.torch_distributed import DeferredCommunicator
 
         self.exchange = import_plugin("zkit_sequence.exchange", _NAME)
         self.attn = attn

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Mapping, Sequence
 import torch
 
 from zkit.core.allocator import Allocator
-from zkit.zero.copy_queue import CopyQueue
+from zkit.zero import CopyQueue
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.cpu_optimizer import FusedCPUOptimizer

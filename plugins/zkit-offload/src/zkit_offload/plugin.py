@@ -25,7 +25,7 @@ def _offloaded_adam(kind: str, param_groups, params: dict[str, Any]):
     defaults as without offload (``zkit.optim.plugin.adam_settings``: ``"Adam"`` is AdamW
     unless ``adam_w_mode`` is false; ``weight_decay`` defaults to 0), so offloading never changes
     what the optimizer computes."""
-    from zkit.optim.plugin import adam_settings
+    from zkit.optim import adam_settings
     from zkit_offload.cpu_adam import CPUAdam, CPUAdamW
 
     params = dict(params)

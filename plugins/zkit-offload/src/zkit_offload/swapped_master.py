@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Container, Sequence
 
 import torch
 
-from zkit.zero.flat import pack_aligned
+from zkit.zero import pack_aligned
 from zkit.host_memory import trim
 from zkit_offload.backward_step import BackwardStep
 from zkit_offload.io_memory import ALIGN_ELEMS  # noqa: F401 - every unit starts on such a block

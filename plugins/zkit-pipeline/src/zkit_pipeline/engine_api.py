@@ -42,9 +42,9 @@ def setup(engine: Any) -> None:
     tensor_group = _tensor_group(module)
     section = engine.config.section("activation_checkpointing")  # None with zkit.activations blocked
     if tensor_group is not None and section is not None and section.partition_activations:
-        from zkit.activations import recompute
+        from zkit.activations import configure
 
-        recompute.configure(engine, group=tensor_group)
+        configure(engine, group=tensor_group)
     tensor_degree = 1 if tensor_group is None else torch.distributed.get_world_size(tensor_group)
     if tensor_degree > 1:
         from zkit_pipeline.tensor_parallel import optimizer_norms

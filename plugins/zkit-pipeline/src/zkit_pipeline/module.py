@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zkit.activations.recompute import checkpoint
-from zkit.torch_distributed.deferred_communicator import DeferredCommunicator
-from zkit.zero.init import building_under_init
-from zkit.zero.init_adopt import pipeline_refusal
+from zkit.activations import checkpoint
+from zkit.torch_distributed import DeferredCommunicator
+from zkit.core.model_parts import pipeline_under_init_refusal
+from zkit.zero import building_under_init
 from zkit_pipeline.partition_layers import balanced_bounds, layer_weights
 from zkit_pipeline.topology import ProcessGrid
 
@@ -158,7 +158,7 @@ class PipelineModule(nn.Module):
         if num_stages > 1 and building_under_init():
             # Init partitions each module over every rank as it is built, and each stage builds
             # only its own layers: the collectives would not match (nor hold a tied module's copies)
-            raise ValueError(f"PipelineModule: {pipeline_refusal(num_stages)}")
+            raise ValueError(f"PipelineModule: {pipeline_under_init_refusal(num_stages)}")
         self.num_stages, self.stage_id, self.virtual_stages = num_stages, stage_id, virtual_stages
         self.loss_fn = loss_fn
         self.checkpoint_interval = activation_checkpoint_interval

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zkit.activations import recompute
+import zkit.activations
 from zkit.core.attention import build_attention
 from zkit_sequence.loss import SequenceParallelCrossEntropy
 from zkit_sequence.tiling import TiledMLP
@@ -135,7 +135,7 @@ class LlamaLM(nn.Module):
         x = self.embed(input_ids)
         for block in self.blocks:
             if self.cfg.checkpoint_blocks:
-                x = recompute.checkpoint(block, x, position_ids)
+                x = zkit.activations.checkpoint(block, x, position_ids)
             else:
                 x = block(x, position_ids)
         x = self.norm(x)

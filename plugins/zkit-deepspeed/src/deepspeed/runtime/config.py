@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from zkit.core.config import ConfigError, ZkitConfig, load_config
-from zkit.zero.config import zero_config
+from zkit.zero import zero_config
 
 __all__ = ["DeepSpeedConfig", "DeepSpeedConfigError"]
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from zkit.core.engine import Engine
-from zkit.zero.config import zero_config
+from zkit.zero import zero_config
 from deepspeed.utils.timer import ThroughputTimer
 from zkit_deepspeed.sequence_mpu import ReplicaAveragedMicroStep, building_mpu
 

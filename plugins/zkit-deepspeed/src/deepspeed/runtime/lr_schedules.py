@@ -3,7 +3,6 @@ and its constants (the schedule names, ``VALID_LR_SCHEDULES`` that transformers 
 ``scheduler.params`` keys)."""
 from deepspeed.runtime.lr_schedule_keys import *  # noqa: F401,F403
 from deepspeed.runtime.lr_schedule_keys import __all__ as _keys
-from zkit.lr_schedules.warmup import LRRangeTest, LRSchedule, WarmupCosineLR, WarmupDecayLR, WarmupLR
-from zkit.lr_schedules.one_cycle import OneCycle
+from zkit.lr_schedules import LRRangeTest, LRSchedule, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR
 
 __all__ = ["LRRangeTest", "LRSchedule", "OneCycle", "WarmupCosineLR", "WarmupDecayLR", "WarmupLR", *_keys]

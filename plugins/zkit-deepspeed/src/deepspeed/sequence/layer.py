@@ -32,7 +32,7 @@ class DistributedAttention(torch.nn.Module):
         if sp_stream is not None:
             raise FeatureNotProvided("DistributedAttention(sp_stream=...) (all-to-alls overlapped on a side stream) "
                                      "is not provided by zkit: leave sp_stream None")
-        from zkit.torch_distributed.deferred_communicator import DeferredCommunicator
+        from zkit.torch_distributed import DeferredCommunicator
 
         self.exchange = import_plugin("zkit_sequence.exchange", "deepspeed.sequence.layer.DistributedAttention")
         self.local_attn = local_attention

@@ -23,42 +23,42 @@ __all__ = ["safe_get_full_fp32_param", "safe_get_full_grad", "safe_get_full_opti
 
 def safe_get_full_fp32_param(param: torch.nn.Parameter) -> torch.Tensor:
     """The parameter's full fp32 master."""
-    from zkit.zero.full_state import get_full_fp32_param
+    from zkit.zero import get_full_fp32_param
 
     return get_full_fp32_param(param)
 
 
 def safe_set_full_fp32_param(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Replace the parameter's fp32 master and the parameter."""
-    from zkit.zero.full_state import set_full_fp32_param
+    from zkit.zero import set_full_fp32_param
 
     set_full_fp32_param(param, value)
 
 
 def safe_get_full_optimizer_state(param: torch.nn.Parameter, optim_state_key: str) -> torch.Tensor | None:
     """The optimizer's ``optim_state_key`` state of the parameter, whole."""
-    from zkit.zero.full_state import get_full_optimizer_state
+    from zkit.zero import get_full_optimizer_state
 
     return get_full_optimizer_state(param, optim_state_key)
 
 
 def safe_set_full_optimizer_state(param: torch.nn.Parameter, value: torch.Tensor, optim_state_key: str) -> None:
     """Replace the optimizer's ``optim_state_key`` state of the parameter."""
-    from zkit.zero.full_state import set_full_optimizer_state
+    from zkit.zero import set_full_optimizer_state
 
     set_full_optimizer_state(param, value, optim_state_key)
 
 
 def safe_get_full_grad(param: torch.nn.Parameter) -> torch.Tensor | None:
     """The parameter's reduced (data-parallel averaged) gradient, whole, in fp32; None if none."""
-    from zkit.zero.full_state import get_full_grad
+    from zkit.zero import get_full_grad
 
     return get_full_grad(param)
 
 
 def safe_set_full_grad(param: torch.nn.Parameter, value: torch.Tensor) -> None:
     """Replace the parameter's reduced gradient before ``step``."""
-    from zkit.zero.full_state import set_full_grad
+    from zkit.zero import set_full_grad
 
     set_full_grad(param, value)
 

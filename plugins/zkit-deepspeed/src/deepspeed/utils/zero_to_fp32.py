@@ -30,10 +30,18 @@ from typing import Any
 
 import torch
 
-from zkit.checkpoint.consolidate import Plan, _Entry, plan_consolidation, write_file
+from zkit.checkpoint import (
+    META,
+    Plan,
+    PlannedTensor,
+    load_rank_file,
+    plan_consolidation,
+    rank_file,
+    read_latest,
+    read_meta,
+    write_planned,
+)
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.checkpoint.files import META, load_rank_file, rank_file, read_meta
-from zkit.checkpoint.tags import read_latest
 from zkit_deepspeed.checkpoint.layout import looks_like_deepspeed
 
 __all__ = ["convert_zero_checkpoint_to_fp32_state_dict", "convert_zero_checkpoint_to_state_dict",
@@ -84,7 +92,7 @@ def _frozen_names(plan: Plan) -> set[str]:
 
 
 def _plan(checkpoint_dir: str | os.PathLike[str], tag: str | None, exclude_frozen_parameters: bool,
-          dtype: torch.dtype, safetensors: bool) -> tuple[Plan, list[_Entry]]:
+          dtype: torch.dtype, safetensors: bool) -> tuple[Plan, list[PlannedTensor]]:
     plan = plan_consolidation(_tag_directory(checkpoint_dir, tag), dtype=_ZKIT_DTYPE[dtype], safetensors=safetensors)
     entries = plan.entries
     if exclude_frozen_parameters:
@@ -104,7 +112,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str | os.PathLike[s
     plan, entries = _plan(checkpoint_dir, tag, exclude_frozen_parameters, torch.float32, safetensors=False)
     with tempfile.TemporaryDirectory(prefix="zkit-zero-to-fp32-") as scratch:
         path = Path(scratch) / "state.pt"
-        write_file(plan, entries, path)
+        write_planned(plan, entries, path)
         # the mapping outlives the file's name; its pages are the file's, not copies
         return torch.load(path, mmap=True, weights_only=True, map_location="cpu")
 
@@ -126,7 +134,7 @@ def convert_zero_checkpoint_to_state_dict(checkpoint_dir: str | os.PathLike[str]
     for fname, names in shards.items():
         staging = Path(tempfile.mkdtemp(dir=out, prefix=f".{fname}."))  # the file's own name: its format
         try:
-            write_file(plan, [by_name[n] for n in names], staging / fname)  # in the shard's order, as DeepSpeed's
+            write_planned(plan, [by_name[n] for n in names], staging / fname)  # in the shard's order, as DeepSpeed's
             os.replace(staging / fname, out / fname)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -156,7 +164,7 @@ def load_state_dict_from_zero_checkpoint(model: torch.nn.Module, checkpoint_dir:
     return model
 
 
-def _split(entries: list[_Entry], weights_name: str,
+def _split(entries: list[PlannedTensor], weights_name: str,
            max_shard_size: int | str | None) -> tuple[dict[str, list[str]], dict[str, Any] | None]:
     """Shard file name -> names, and the index (None when unsharded), by Hugging Face's rule
     (``huggingface_hub.split_torch_state_dict_into_shards``, as DeepSpeed uses)."""

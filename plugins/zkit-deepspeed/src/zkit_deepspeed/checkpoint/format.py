@@ -10,8 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from zkit.checkpoint.files import META
-from zkit.checkpoint.tags import tag_directory
+from zkit.checkpoint import META, tag_directory
 from zkit.core.records import CheckpointFormatRecord
 from zkit_deepspeed.checkpoint.layout import looks_like_deepspeed
 from zkit_deepspeed.checkpoint.load import load_deepspeed_checkpoint

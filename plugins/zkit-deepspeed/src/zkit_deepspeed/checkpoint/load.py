@@ -19,9 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from zkit.core.checkpoint_errors import CheckpointError
-from zkit.checkpoint.fill import fill_pieces
-from zkit.checkpoint.load import check_module_extras, check_params, load_module_extras
-from zkit.checkpoint.parts import LayerNamed, model_part
+from zkit.checkpoint import check_module_extras, check_params, fill_pieces, load_module_extras
+from zkit.core.model_parts import LayerNamed, model_part
 from zkit.core.verdicts import agree, agreed
 from zkit_deepspeed.checkpoint.checkpoint import DeepSpeedCheckpoint
 from zkit_deepspeed.checkpoint.clipping import check_clipping

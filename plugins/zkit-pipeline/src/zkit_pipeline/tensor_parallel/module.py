@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch import nn
 
-from zkit.torch_distributed.deferred_communicator import DeferredCommunicator
+from zkit.torch_distributed import DeferredCommunicator
 from zkit_pipeline.topology import ProcessGrid
 
 

@@ -14,7 +14,7 @@ from typing import Iterator
 
 import torch
 
-from zkit.activations.replayed_rng import register_rng_tracker
+from zkit.activations import register_rng_tracker
 
 TENSOR_PARALLEL_RNG = "tensor-parallel"
 #: offset between the replicated and the tensor-parallel seeds, so the two streams never coincide.

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from zkit.zero.returned import returned_params
+from zkit.zero import returned_params
 
 __all__ = ["register_external_parameter", "track_returned_params", "unregister_external_parameter"]
 

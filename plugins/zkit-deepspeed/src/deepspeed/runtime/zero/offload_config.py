@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 from attrs import validators as v
 
-from zkit.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
+from zkit.zero import OffloadDeviceEnum, OffloadStateTypeEnum
 
 __all__ = ["DeepSpeedZeroOffloadOptimizerConfig", "DeepSpeedZeroOffloadParamConfig", "OffloadDeviceEnum",
            "OffloadStateTypeEnum"]

@@ -9,8 +9,7 @@ from typing import Any, Callable
 
 from deepspeed.accelerator.real_accelerator import get_accelerator
 from deepspeed.runtime.zero.external_params import register_external_parameter, unregister_external_parameter
-from zkit.zero import GatheredParameters, Init
-from zkit.zero.sharded_params import ParamStatus
+from zkit.zero import GatheredParameters, Init, ParamStatus
 
 __all__ = ["GatheredParameters", "Init", "MultipleAllGatherHandles", "ZeroParamStatus", "get_accelerator",
            "partitioned_param_data_shape", "register_external_parameter", "unregister_external_parameter",
