@@ -93,13 +93,6 @@ class CPUAdam(FusedCPUOptimizer):
             bias1, bias2_sqrt = 1.0 - beta1**step, math.sqrt(1.0 - beta2**step)
         else:
             bias1, bias2_sqrt = 1.0, 1.0
-        if self._torch_plain(out_kind, grad_factor, group):
-            fused = torch._fused_adamw_ if decoupled else torch._fused_adam_
-            self.last_kernel = f"torch.{fused.__name__} (a plain fp32 step: nothing to fuse)"
-            fused([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
-                  lr=lr, beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
-                  maximize=False)
-            return
         launch(
             kernels.adam_update,
             self.array(p), self.grad_array(p), self.array(state["exp_avg"]), self.array(state["exp_avg_sq"]), out, out_kind,
@@ -107,6 +100,21 @@ class CPUAdam(FusedCPUOptimizer):
             f32(0.0 if decoupled else wd), f32(1.0 - lr * wd if decoupled else 1.0),
             f32(bias1), f32(bias2_sqrt), grad_factor,
         )
+
+    def _steps_together(self, group: dict[str, Any], grad_factor: np.float32) -> bool:
+        return self._torch_plain(kernels.OUT_NONE, grad_factor, group)
+
+    def _update_together(self, group: dict[str, Any], members: list[tuple[torch.Tensor, dict[str, Any]]],
+                         grad_factor: np.float32) -> None:
+        """A plain step of the whole group in one call of torch's fused multi-tensor kernel (the
+        same per-element formula as one call per parameter)."""
+        fused = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+        self.last_kernel = f"torch.{fused.__name__} (a plain fp32 step: nothing to fuse; one call per group)"
+        beta1, beta2 = group["betas"]
+        fused([p for p, _ in members], [p.grad for p, _ in members], [s["exp_avg"] for _, s in members],
+              [s["exp_avg_sq"] for _, s in members], [], [s["step"] for _, s in members],
+              lr=float(group["lr"]), beta1=beta1, beta2=beta2, weight_decay=float(group["weight_decay"]),
+              eps=group["eps"], amsgrad=False, maximize=False)
 
     def _torch_plain(self, out_kind: int, grad_factor: np.float32, group: dict[str, Any]) -> bool:
         backend = AUTO_PLAIN_BACKEND if self.backend == "auto" else self.backend

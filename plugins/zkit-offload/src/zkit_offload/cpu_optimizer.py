@@ -14,7 +14,8 @@ What the base adds to ``torch.optim.Optimizer``:
   engine that clips by the global norm and must agree on overflow across ranks before stepping.
 
 Subclasses define ``_state_names`` (``state_dict`` keys, torch's where torch has the optimizer),
-``_check_group`` and ``_update`` (one kernel launch for one parameter).
+``_check_group`` and ``_update`` (one kernel launch for one parameter), and may step a group's
+parameters in one launch (``_steps_together`` and ``_update_together``: a multi-tensor kernel).
 """
 from __future__ import annotations
 
@@ -91,6 +92,15 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
 
     def _update(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any], out: np.ndarray,
                 out_kind: int, grad_factor: np.float32) -> None:
+        raise NotImplementedError
+
+    def _steps_together(self, group: dict[str, Any], grad_factor: np.float32) -> bool:
+        """Whether :meth:`_update_together` steps ``group``'s parameters without a copy-out in one
+        launch (a multi-tensor kernel: one dispatch per group rather than one per parameter)."""
+        return False
+
+    def _update_together(self, group: dict[str, Any], members: list[tuple[torch.Tensor, dict[str, Any]]],
+                         grad_factor: np.float32) -> None:
         raise NotImplementedError
 
     def _init_state(self, group: dict[str, Any], p: torch.Tensor, state: dict[str, Any]) -> None:
@@ -198,6 +208,7 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
             f"Numba fused pass (gradient x {float(factor):g}, {type(self).__name__} update"
             + "".join(f", {o} copy-out" for o in outs) + ")"
         )
+        together: dict[int, tuple[dict[str, Any], list[tuple[torch.Tensor, dict[str, Any]]]]] = {}
         for p, group in todo:
             state = self.state[p]
             if not state:
@@ -205,12 +216,17 @@ class FusedCPUOptimizer(torch.optim.Optimizer):
             self._prepare_state(p, state)
             self.array(state["step"])[0] += 1  # in the tensor's memory, without a torch op
             target = self._copy_out.get(id(p))
+            if target is None and self._steps_together(group, factor):
+                together.setdefault(id(group), (group, []))[1].append((p, state))
+                continue
             out_kind = _OUT_KIND[target.dtype] if target is not None else kernels.OUT_NONE
             if out_kind == kernels.OUT_FP16 and not kernels.HARDWARE_HALF:
                 self._update(group, p, state, _NO_OUT, kernels.OUT_NONE, factor)
                 target.view(-1).copy_(p.detach().view(-1))
                 continue
             self._update(group, p, state, self.array(target) if target is not None else _NO_OUT, out_kind, factor)
+        for group, members in together.values():
+            self._update_together(group, members, factor)
         self.last_step_applied = True
         return True
 
