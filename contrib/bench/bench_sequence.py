@@ -7,15 +7,20 @@ sequence each setup trains under a per-rank memory cap.
   values, output) and 4 in backward, each of ``b * s * h / P`` elements on each rank, of which a
   ring-counting communicator counts ``(P - 1) / P`` as sent.
 * ``--longest``: a small Llama-style model with grouped-query attention (2 layers, width 64, 4
-  query and 2 key-value heads, a vocabulary of 8000) on 4 ranks, one sample per step; for each setup, sequences of 1024, 2048, ... tokens until
-  one does not train a step with every rank's resident set under ``--cap-mib`` (each rank stops
-  itself past it: ``zero_workloads.RssGuard``). Setups: plain data parallelism (each rank the whole
-  sequence), Ulysses 4, Ulysses 4 with the tiled MLP and tiled logits + loss and activation
-  checkpoints offloaded to the host (``cpu_checkpointing``), and Ulysses 4 with zkit-sparse's
-  block-sparse attention (fixed layout) inside.
+  query and 2 key-value heads, a vocabulary of 8000) on 4 ranks, one sample per step; for each
+  setup, sequences of ``--start``, twice that, ... tokens until one does not train a step with every
+  rank's resident set under ``--cap-mib`` (each rank stops itself past it:
+  ``zero_workloads.RssGuard``). Setups: plain data parallelism (each rank the whole sequence),
+  Ulysses 4, Ulysses 4 with the tiled MLP and tiled logits + loss and activation checkpoints
+  offloaded to the host (``cpu_checkpointing``), the same with zkit-sparse's block-sparse attention
+  (a sliding window) inside, and DeepSpeed 0.19.8's Ulysses (``DistributedAttention``; with its
+  ``TiledMLP``, ``TiledFusedLogitsLoss`` and checkpointed blocks) on the same model in DeepSpeed's
+  interpreter (``--deepspeed-python``; ``sequence_deepspeed_side.py``). ``--plot``: the peak
+  resident memory per rank against the sequence length (PNG, needs matplotlib).
 
     OMP_NUM_THREADS=1 python contrib/bench/bench_sequence.py --bytes
-    OMP_NUM_THREADS=1 python contrib/bench/bench_sequence.py --longest --cap-mib 700 --start 2048 --limit 32768
+    OMP_NUM_THREADS=1 python contrib/bench/bench_sequence.py --longest --cap-mib 700 --start 1024 --limit 65536 \
+        --deepspeed-python .venv-peers/bin/python --plot docs/plugins/sequence_longest.png
 """
 from __future__ import annotations
 
@@ -97,58 +102,156 @@ def bytes_mode(seq: int) -> list[str]:
 
 # -- longest sequence --------------------------------------------------------------------------------
 LONG_MODEL = dict(vocab_size=8000, n_layer=2, d_model=64, n_head=4, n_kv_head=2, ffn=192, max_seq_len=1 << 17)
+ALST_MODEL = {"mlp_tiles": 8, "loss_tiles": 16, "checkpoint_blocks": True}
+ALST_CONFIG = {"activation_checkpointing": {"cpu_checkpointing": True}}
+#: zkit-sparse's sliding window (3 blocks of 64) plus the first block, probabilities recomputed in backward
+SLIDING_WINDOW = {"attention": "block_sparse", "attention_kwargs": {
+    "mode": "bslongformer", "block": 64, "num_sliding_window_blocks": 3, "global_block_indices": [0],
+    "save_probs": False}}
+#: name -> (runner, sequence-parallel size, model options, config sections); no commas (--setups splits on them)
 SETUPS = {
-    "data parallel (4 replicas)": (1, {}, {}),
-    "Ulysses 4": (4, {}, {}),
-    "Ulysses 4 + tiled MLP and loss + checkpoints to host": (
-        4, {"mlp_tiles": 8, "loss_tiles": 16, "checkpoint_blocks": True},
-        {"activation_checkpointing": {"cpu_checkpointing": True}}),
-    "Ulysses 4 + block-sparse attention": (
-        4, {"attention": "block_sparse", "attention_kwargs": {"mode": "fixed", "block": 64, "num_local_blocks": 4}},
-        {}),
+    "data parallel (4 replicas)": ("zkit", 1, {}, {}),
+    "Ulysses 4": ("zkit", 4, {}, {}),
+    "Ulysses 4 + tiled MLP and loss + checkpoints to host": ("zkit", 4, ALST_MODEL, ALST_CONFIG),
+    "Ulysses 4 + tiled MLP and loss + checkpoints to host + block-sparse attention (sliding window)": (
+        "zkit", 4, {**ALST_MODEL, **SLIDING_WINDOW}, ALST_CONFIG),
+    "DeepSpeed 0.19.8 Ulysses 4": ("deepspeed", 4, {}, {}),
+    "DeepSpeed 0.19.8 Ulysses 4 + TiledMLP and TiledFusedLogitsLoss + checkpointed blocks": (
+        "deepspeed", 4, ALST_MODEL, {}),
 }
 
 
 def longest_rank(seq: int, sp: int, model_options: dict, extra: dict, cap: int) -> dict:
-    from zero_workloads import RssGuard, rss_bytes
+    from zero_workloads import RssGuard, peak_rss_bytes, rss_bytes
 
     import zkit
 
     guard = RssGuard(cap)
-    engine, *_ = zkit.initialize(model=_model(**{**LONG_MODEL, **model_options}), config=_config(sp, extra))
+    # built for the sequence it trains (a block-sparse layout is made for max_seq_len)
+    model = _model(**{**LONG_MODEL, **model_options, "max_seq_len": seq})
+    engine, *_ = zkit.initialize(model=model, config=_config(sp, extra))
     base = rss_bytes()
     start = time.perf_counter()
     _step(engine, seq, LONG_MODEL["vocab_size"], sp)
     took = time.perf_counter() - start
     guard.stop()
     engine.close()
-    return {"base": base, "step_s": took}
+    return {"base": base, "step_s": took, "peak": peak_rss_bytes()}
 
 
-def longest_mode(cap_mib: int, start: int, limit: int, setups: list[str]) -> list[str]:
+class OverCap(Exception):
+    """A run that did not train its step under the cap (or failed): the first line says why."""
+
+
+def _run_zkit(seq: int, sp: int, model_options: dict, extra: dict, cap: int) -> list[dict]:
     from zkit.testing import RanksFailed, RanksTimedOut, run_ranks
 
+    try:
+        return run_ranks(longest_rank, 4, args=(seq, sp, model_options, extra, cap), timeout=900, start="spawn")
+    except (RanksFailed, RanksTimedOut) as exc:
+        raise OverCap(str(exc).splitlines()[0]) from exc
+
+
+def _run_deepspeed(seq: int, model_options: dict, cap: int, python: str) -> list[dict]:
+    """DeepSpeed's side (sequence_deepspeed_side.py) in DeepSpeed's interpreter ``python``."""
+    import json
+    import subprocess
+    import tempfile
+
+    from sequence_deepspeed_side import RESULT_PREFIX
+    from zero_deepspeed_side import deepspeed_command
+
+    args = ["--seq", str(seq), "--rss-cap", str(cap), "--model", json.dumps(LONG_MODEL)]
+    if model_options:
+        args += ["--alst", "--mlp-tiles", str(model_options["mlp_tiles"]), "--loss-tiles", str(model_options["loss_tiles"])]
+    with tempfile.TemporaryDirectory() as shims:
+        cmd, env = deepspeed_command(python, args, shims)
+        cmd[1] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sequence_deepspeed_side.py")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
+    for line in proc.stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    last = [l for l in (proc.stderr + proc.stdout).splitlines() if l.strip()]
+    raise OverCap(next((l for l in last if "rss guard" in l), last[-1] if last else f"exit {proc.returncode}"))
+
+
+def longest_mode(cap_mib: int, start: int, limit: int, setups: list[str], deepspeed_python: str | None,
+                 plot: str | None, baseline: int | None = None, plot_with: list[str] = ()) -> list[str]:
+    """Each setup from ``start`` tokens (the later ones from the first one's longest, or
+    ``baseline``: the data-parallel length measured in another run), doubling. ``plot``: a PNG
+    of the peak memory per length, its points also written beside it as JSON; ``plot_with``:
+    such JSON files of other runs, drawn too."""
     rows = [f"| setup (4 ranks, cap {cap_mib} MiB resident per rank) | longest sequence | x data parallel | "
-            "step at that length |", "|---|---|---|---|"]
-    dp = None
+            "over the cap | resident after initialize | peak resident at the longest | step at the longest |",
+            "|---|---|---|---|---|---|---|"]
+    dp, curves = baseline, {}
     for name in setups:
-        sp, model_options, extra = SETUPS[name]
-        best, seq, step_s = 0, start, 0.0
+        runner, sp, model_options, extra = SETUPS[name]
+        if runner == "deepspeed" and deepspeed_python is None:
+            rows.append(f"| {name} | not run: no DeepSpeed interpreter (--deepspeed-python) | | | | | |")
+            continue
+        best, seq, out, failed, points = 0, start if dp is None else max(start, dp), None, "", []
         while seq <= limit:
             try:
-                out = run_ranks(longest_rank, 4, args=(seq, sp, model_options, extra, cap_mib * MIB), timeout=900,
-                                start="spawn")
-            except (RanksFailed, RanksTimedOut) as exc:
-                print(f"{name}: {seq} tokens: {str(exc).splitlines()[0]}", flush=True)
+                if runner == "zkit":
+                    got = _run_zkit(seq, sp, model_options, extra, cap_mib * MIB)
+                else:
+                    got = _run_deepspeed(seq, model_options, cap_mib * MIB, deepspeed_python)
+            except OverCap as exc:
+                print(f"{name}: {seq} tokens: {exc}", flush=True)
+                failed = f"{seq:,}"
                 break
-            best, step_s = seq, max(r["step_s"] for r in out)
-            print(f"{name}: {seq} tokens trained ({step_s:.1f} s; resident after initialize "
-                  f"{max(r['base'] for r in out) / MIB:.0f} MiB)", flush=True)
+            best, out = seq, got
+            points.append((seq, max(r["peak"] for r in got) / MIB))
+            print(f"{name}: {seq} tokens trained ({max(r['step_s'] for r in got):.1f} s; resident after initialize "
+                  f"{max(r['base'] for r in got) / MIB:.0f} MiB, peak {points[-1][1]:.0f} MiB)", flush=True)
             seq *= 2
-        dp = best if dp is None else dp
-        reached = f"{best:,}" + ("+" if seq > limit else "")
-        rows.append(f"| {name} | {reached} | {best / dp:.1f} | {step_s:.1f} s |" if dp else f"| {name} | {reached} | | |")
+        curves[name] = points
+        dp = (best or None) if dp is None else dp
+        if out is None:
+            rows.append(f"| {name} | under {seq:,} | | {failed} | | | |")
+            continue
+        reached = f"{best:,}" + ("+" if not failed else "")
+        ratio = f"{best / dp:.0f}" + ("+" if not failed else "")
+        rows.append(f"| {name} | {reached} | {ratio} | {failed or 'not reached'} | "
+                    f"{max(r['base'] for r in out) / MIB:.0f} MiB | {points[-1][1]:.0f} MiB | "
+                    f"{max(r['step_s'] for r in out):.1f} s |")
+    if plot:
+        import json
+
+        for other in plot_with:  # the same setup's points of several runs drawn as one curve
+            with open(other, encoding="utf-8") as f:
+                for name, points in json.load(f).items():
+                    curves[name] = sorted({*map(tuple, curves.get(name, [])), *map(tuple, points)})
+        with open(os.path.splitext(plot)[0] + ".json", "w", encoding="utf-8") as f:
+            json.dump(curves, f, indent=1)
+        _plot(curves, cap_mib, plot)
     return rows
+
+
+def _plot(curves: dict[str, list[tuple[int, float]]], cap_mib: int, path: str) -> None:
+    """Peak resident memory per rank against sequence length (PNG; needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("no plot: matplotlib is not installed", flush=True)
+        return
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for name, points in curves.items():
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+    ax.axhline(cap_mib, color="grey", linestyle="--", label=f"cap {cap_mib} MiB")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length (tokens, whole sequence)")
+    ax.set_ylabel("peak resident memory per rank (MiB)")
+    ax.set_title("One training step, 4 ranks (bench_sequence.py --longest)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot written to {path}", flush=True)
 
 
 def main() -> None:
@@ -159,13 +262,22 @@ def main() -> None:
     p.add_argument("--cap-mib", type=int, default=700, help="resident memory cap per rank (--longest)")
     p.add_argument("--start", type=int, default=2048, help="first sequence length tried")
     p.add_argument("--limit", type=int, default=1 << 15, help="longest sequence length tried")
-    p.add_argument("--setups", default=",".join(SETUPS), help="comma-separated setup names (--longest)")
+    p.add_argument("--setups", default=",".join(SETUPS),
+                   help="comma-separated setup names (--longest; none: only --plot the points of --plot-with)")
+    p.add_argument("--deepspeed-python", default=None,
+                   help="DeepSpeed's interpreter for the DeepSpeed setups (e.g. .venv-peers/bin/python)")
+    p.add_argument("--plot", default=None, help="write the peak memory against sequence length there (PNG)")
+    p.add_argument("--plot-with", default="", help="comma-separated JSON points of other --plot runs to draw too")
+    p.add_argument("--baseline", type=int, default=None,
+                   help="the data-parallel length of another run (when its setup is not in --setups)")
     args = p.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.bytes:
         print("\n".join(bytes_mode(args.seq)))
     if args.longest:
-        print("\n".join(longest_mode(args.cap_mib, args.start, args.limit, args.setups.split(","))))
+        print("\n".join(longest_mode(args.cap_mib, args.start, args.limit, [n for n in args.setups.split(",") if n],
+                                     args.deepspeed_python, args.plot, args.baseline,
+                                     [f for f in args.plot_with.split(",") if f])))
 
 
 if __name__ == "__main__":
