@@ -16,7 +16,8 @@ This is the ``"zkit"`` checkpoint format; the engine and ``zkit consolidate`` re
 Hugging Face export and any format a plugin registers through :mod:`zkit.checkpoint.formats`.
 
 The public names below are what other packages use: saving, loading and consolidating whole
-checkpoints; and, for a format that reads another layout into zkit's pieces (the drop-in's
+checkpoints, writing one as PyTorch's Distributed Checkpoint (:func:`write_dcp`) or a Hugging Face
+``save_pretrained`` directory (:func:`write_hf_pretrained`); and, for a format that reads another layout into zkit's pieces (the drop-in's
 DeepSpeed checkpoints), the rank files and metadata (``META``, :func:`rank_file`,
 :func:`read_meta`, :func:`load_rank_file`), tags (:func:`read_latest`, :func:`tag_directory`), the
 copy of saved ranges into the pieces a rank owns (:func:`fill_pieces`), the checks a load makes
@@ -25,6 +26,8 @@ consolidation's plan (:func:`plan_consolidation`, :class:`Plan`, :class:`Planned
 :func:`write_planned`).
 """
 from zkit.checkpoint.consolidate import Plan, PlannedTensor, consolidate, plan_consolidation, write_planned
+from zkit.checkpoint.dcp import write_dcp
+from zkit.checkpoint.export_hf import write_hf_pretrained
 from zkit.checkpoint.files import META, load_rank_file, rank_file, read_meta
 from zkit.checkpoint.fill import fill_pieces
 from zkit.checkpoint.load import check_module_extras, check_params, load_checkpoint, load_module_extras
@@ -50,5 +53,7 @@ __all__ = [
     "read_meta",
     "save_checkpoint",
     "tag_directory",
+    "write_dcp",
+    "write_hf_pretrained",
     "write_planned",
 ]
