@@ -103,6 +103,13 @@ class StreamCopy:
         else:
             self.queue.streams.current().wait_event(self.event)
 
+    def hold_source(self) -> None:
+        """Make the current (compute) stream wait for the copy before it runs what is issued next,
+        so the source may be written again at once, without a wait on the host (a bucket that
+        the next unit's gradients reuse)."""
+        if self.event is not None:
+            self.queue.streams.current().wait_event(self.event)
+
     def synchronize(self) -> None:
         """Wait on the host until the copy is done (its source may then be overwritten)."""
         if self.event is not None:

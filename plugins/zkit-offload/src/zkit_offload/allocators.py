@@ -25,6 +25,7 @@ from zkit.zero import CopyQueue
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.cpu_optimizer import FusedCPUOptimizer
 from zkit_offload.config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from zkit_offload.host_master import HostMasterStore
 from zkit.host_memory import return_freed_memory
 from zkit_offload.param_store import NVMeParamStore
 from zkit_offload.pipeline import SubGroupBuffers, step_in_subgroups, subgroup_key
@@ -58,6 +59,24 @@ class HostAllocator(Allocator):
         self.param_config = param or _section(config, OffloadParamConfig.SECTION, OffloadParamConfig)
         self.host_purposes = ((HOST_PURPOSES if self.optimizer_config.device != "none" else ())
                               + (("param",) if self.param_config.device != "none" else ()))
+        self._master_store: SwappedMasterStore | HostMasterStore | None = None
+
+    def master_store(self, shard_sizes: Sequence[int]) -> SwappedMasterStore | HostMasterStore | None:
+        """Stages 2-3 with ``offload_optimizer.device == "cpu"`` and ``step_in_backward``: a
+        :class:`~zkit_offload.host_master.HostMasterStore`, which steps each unit during the
+        batch's last backward; otherwise ``None`` (the partitioner's own in-memory master)."""
+        if not (self.optimizer_config.device == "cpu" and self.optimizer_config.step_in_backward):
+            return None
+        if self._master_store is not None:
+            raise ValueError("this allocator already holds the master of one partitioner")
+        self._master_store = HostMasterStore(self, shard_sizes)
+        return self._master_store
+
+    @property
+    def master_store_made(self) -> SwappedMasterStore | HostMasterStore | None:
+        """The store :meth:`master_store` handed a partitioner, if any (the plugin's hooks reach it
+        here: the kernel's store protocol says nothing of stepping in backward)."""
+        return self._master_store
 
     def place(self, purpose: str) -> torch.device:
         return torch.device("cpu") if purpose in self.host_purposes else self.device
@@ -68,7 +87,9 @@ class HostAllocator(Allocator):
         return purpose in self.host_purposes and self.optimizer_config.pin_memory
 
     def close(self) -> None:
-        """Nothing to free for host memory; present so every offload allocator can be closed."""
+        """Stop the host step's thread, if a store made one (host memory needs no freeing)."""
+        if isinstance(self._master_store, HostMasterStore):
+            self._master_store.close()
 
 
 class NVMeAllocator(HostAllocator):
@@ -104,7 +125,6 @@ class NVMeAllocator(HostAllocator):
         self._buffers: SubGroupBuffers | None = None
         self._stepped: set[int] = set()
         self._plan: SubGroupPlan | None = None
-        self._master_store: SwappedMasterStore | None = None
 
     def param_shard_store(self, dtype: torch.dtype) -> NVMeParamStore | None:
         """Where stage 3 keeps its parameter shards: an :class:`NVMeParamStore` with
@@ -180,16 +200,10 @@ class NVMeAllocator(HostAllocator):
         gradients on NVMe with the optimizer state (``shard_sizes``: elements per unit's shard);
         otherwise ``None`` (the master stays in host memory)."""
         if self.swapper is None:
-            return None
+            return super().master_store(shard_sizes)
         if self._master_store is not None:
             raise ValueError("this NVMe allocator already holds the master of one partitioner")
         self._master_store = SwappedMasterStore(self, shard_sizes, self.sub_group_size)
-        return self._master_store
-
-    @property
-    def master_store_made(self) -> SwappedMasterStore | None:
-        """The store :meth:`master_store` handed a partitioner, if any (the plugin's hooks reach it
-        here: the kernel's store protocol says nothing of stepping in backward)."""
         return self._master_store
 
     def check_optimizer(self, optimizer: torch.optim.Optimizer, name: str) -> None:
@@ -260,7 +274,8 @@ class NVMeAllocator(HostAllocator):
     def close(self) -> None:
         """Finish pending writes, delete the swap files and stop the I/O threads."""
         try:
-            if self._master_store is not None:
+            super().close()
+            if isinstance(self._master_store, SwappedMasterStore):
                 self._master_store.flush()
             for store in self._param_stores:
                 store.flush()

@@ -74,8 +74,8 @@ class OffloadOptimizerConfig(_FromDict):
     fast_init: bool = attrs.field(default=False, validator=v.instance_of(bool), metadata={
         "hint": "zkit-offload writes the initial swap files sub-group by sub-group, with no extra pass"})
     ratio: float = attrs.field(default=1.0, converter=float, validator=[v.ge(0.0), v.le(1.0)])
-    #: zkit's own key: step each sub-group during the backward that ends a batch, as soon as its
-    #: gradients are complete (device ``nvme``, stages 2-3; no clipping, no fp16)
+    #: zkit's own key: step each sub-group (``nvme``) or unit (``cpu``) during the backward that
+    #: ends a batch, as soon as its gradients are complete (stages 2-3; no clipping, no fp16)
     step_in_backward: bool = attrs.field(default=False, validator=v.instance_of(bool))
 
 
@@ -133,12 +133,12 @@ def check_step_in_backward(optimizer: OffloadOptimizerConfig, stage: int | None,
     if not optimizer.step_in_backward:
         return
     key = "zero_optimization.offload_optimizer.step_in_backward"
-    if optimizer.device != "nvme":
-        raise ValueError(f"{key} needs device 'nvme' (got {optimizer.device!r}): it saves the gradients' round trip "
-                         "through the NVMe files")
+    if optimizer.device == "none":
+        raise ValueError(f"{key} needs device 'cpu' or 'nvme' (got {optimizer.device!r}): it steps the offloaded "
+                         "optimizer during backward")
     if stage is not None and stage < 2:
-        raise ValueError(f"{key} needs ZeRO stage 2 or 3 (the stages that keep the master on NVMe); this config "
-                         f"has zero_optimization.stage {stage}")
+        raise ValueError(f"{key} needs ZeRO stage 2 or 3 (the stages whose gradients reach the offloaded master "
+                         f"unit by unit); this config has zero_optimization.stage {stage}")
     if gradient_clipping > 0:
         raise ValueError(f"{key} cannot run with gradient_clipping {gradient_clipping}: clipping scales every "
                          "gradient by the global norm, which is known only after the last gradient, and "

@@ -166,13 +166,22 @@ def zkit_configure(config):
 
 @zkit.hookimpl
 def zkit_before_backward(micro_step, boundary):
-    """``offload_optimizer.step_in_backward``: before the backward that ends a batch, the NVMe
-    master store starts stepping each sub-group as its gradients complete
-    (:mod:`zkit_offload.backward_step`); the partitioner's ``step`` then finishes that step."""
+    """``offload_optimizer.step_in_backward``: before the backward that ends a batch, the master
+    store starts stepping each sub-group (NVMe, :mod:`zkit_offload.backward_step`) or unit (host
+    memory, :mod:`zkit_offload.host_master`) as its gradients complete; the partitioner's ``step``
+    then finishes that step. The host store's masters stay put, so its units return without a
+    wait (``publish_unit``), or are written by the step itself where the parameters are 16-bit in
+    host memory; the NVMe store reuses its buffers (``publish_from_buffer``)."""
     store = getattr(micro_step.allocator, "master_store_made", None)
     if boundary and store is not None and store.step_in_backward:
+        from zkit_offload.host_master import HostMasterStore
+
         partitioner = micro_step.partitioner
-        store.begin_last_backward(partitioner.optimizer, partitioner.owned, partitioner.publish_from_buffer)
+        if isinstance(store, HostMasterStore):
+            store.begin_last_backward(partitioner.optimizer, partitioner.owned, partitioner.publish_unit,
+                                      partitioner.publish_target)
+        else:
+            store.begin_last_backward(partitioner.optimizer, partitioner.owned, partitioner.publish_from_buffer)
 
 
 @zkit.hookimpl
