@@ -17,8 +17,11 @@ sequence each setup trains under a per-rank memory cap.
   ``TiledMLP``, ``TiledFusedLogitsLoss`` and checkpointed blocks) on the same model in DeepSpeed's
   interpreter (``--deepspeed-python``; ``sequence_deepspeed_side.py``). ``--plot``: the peak
   resident memory per rank against the sequence length (PNG, needs matplotlib).
+* ``--compile``: ``engine.compile()`` (aot_eager, each graph counted) with sequence parallelism 2,
+  ZeRO 0 and 3: graphs compiled after each step, graph breaks with their reasons, losses against eager.
 
     OMP_NUM_THREADS=1 python contrib/bench/bench_sequence.py --bytes
+    OMP_NUM_THREADS=1 python contrib/bench/bench_sequence.py --compile
     OMP_NUM_THREADS=1 python contrib/bench/bench_sequence.py --longest --cap-mib 700 --start 1024 --limit 65536 \
         --deepspeed-python .venv-peers/bin/python --plot docs/plugins/sequence_longest.png
 """
@@ -239,7 +242,7 @@ def _plot(curves: dict[str, list[tuple[int, float]]], cap_mib: int, path: str) -
     except ImportError:
         print("no plot: matplotlib is not installed", flush=True)
         return
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 6))
     for name, points in curves.items():
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
@@ -248,16 +251,78 @@ def _plot(curves: dict[str, list[tuple[int, float]]], cap_mib: int, path: str) -
     ax.set_xlabel("sequence length (tokens, whole sequence)")
     ax.set_ylabel("peak resident memory per rank (MiB)")
     ax.set_title("One training step, 4 ranks (bench_sequence.py --longest)")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot written to {path}", flush=True)
+
+
+# -- compile ------------------------------------------------------------------------------------------
+COMPILE_MODEL = dict(vocab_size=256, n_layer=2, d_model=32, n_head=4, n_kv_head=2, ffn=64, max_seq_len=256)
+
+
+def compile_rank(sp: int, stage: int, steps: int, seq: int) -> dict:
+    """``steps`` steps eager, then the same under ``engine.compile`` (aot_eager, each graph Dynamo
+    hands the backend counted): losses, graphs compiled after each step, graph breaks and their reasons."""
+    import torch
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.utils import counters
+
+    import zkit
+    from zkit_sequence import sequence_communicator, shard, with_positions
+
+    out: dict = {}
+    for how in ("eager", "engine.compile"):
+        torch._dynamo.reset()
+        counters.clear()
+        graphs = [0]
+
+        def counting(gm, inputs):
+            graphs[0] += 1
+            return lookup_backend("aot_eager")(gm, inputs)
+
+        engine, *_ = zkit.initialize(model=_model(**COMPILE_MODEL),
+                                     config={**_config(sp), "zero_optimization": {"stage": stage}})
+        if how == "engine.compile":
+            engine.compile(backend=counting)
+        losses, per_step = [], []
+        for step in range(steps):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, COMPILE_MODEL["vocab_size"], (1, seq), generator=g)
+            comm = sequence_communicator(engine)
+            ids_, labels, positions = shard(with_positions((ids, ids.roll(-1, dims=1))), comm.rank, comm.world_size)
+            loss = engine(ids_, labels, positions)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            per_step.append(graphs[0])
+        out[how] = {"losses": losses, "graphs": per_step, "breaks": dict(counters["graph_break"]),
+                    "recompiles": sum(v for k, v in counters["stats"].items() if "recompil" in k)}
+        engine.close()
+    return out
+
+
+def compile_mode(steps: int = 4, seq: int = 64) -> list[str]:
+    from zkit.testing import run_ranks
+
+    rows = ["| layout | ZeRO stage | graphs compiled after step 1, 2, ... | graph breaks | largest loss difference "
+            "against eager |", "|---|---|---|---|---|"]
+    for sp, stage in ((2, 0), (2, 3)):
+        out = run_ranks(compile_rank, sp, args=(sp, stage, steps, seq), timeout=900)[0]
+        eager, compiled = out["eager"], out["engine.compile"]
+        diff = max(abs(a - b) for a, b in zip(eager["losses"], compiled["losses"]))
+        breaks = sum(compiled["breaks"].values())
+        reasons = "; ".join(f"{k} ({v})" for k, v in compiled["breaks"].items())
+        rows.append(f"| SP {sp} on {sp} ranks | {stage} | {', '.join(map(str, compiled['graphs']))} | {breaks}"
+                    f"{': ' + reasons if reasons else ''} | {diff:.1e} |")
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bytes", action="store_true", help="all-to-all bytes against the formula")
     p.add_argument("--longest", action="store_true", help="longest sequence under the memory cap")
+    p.add_argument("--compile", action="store_true", help="graphs and graph breaks of engine.compile() with SP")
     p.add_argument("--seq", type=int, default=1024, help="tokens of the --bytes step")
     p.add_argument("--cap-mib", type=int, default=700, help="resident memory cap per rank (--longest)")
     p.add_argument("--start", type=int, default=2048, help="first sequence length tried")
@@ -274,6 +339,8 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.bytes:
         print("\n".join(bytes_mode(args.seq)))
+    if args.compile:
+        print("\n".join(compile_mode()))
     if args.longest:
         print("\n".join(longest_mode(args.cap_mib, args.start, args.limit, [n for n in args.setups.split(",") if n],
                                      args.deepspeed_python, args.plot, args.baseline,
