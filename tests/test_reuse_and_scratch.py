@@ -7,7 +7,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import torch
+
 from zkit.zero.buckets import ScratchRing
+from zkit.zero.flat import plan_units
+from zkit.zero.scratch_buckets import ScratchBuckets
 from zkit.zero.reuse import kept_after_use, reuse_distances
 
 
@@ -71,3 +75,39 @@ def test_scratch_ring_holds_as_many_small_units_as_fit():
 def test_a_unit_larger_than_a_segment_is_an_error():
     with pytest.raises(ValueError, match="a unit of 30 elements does not fit a scratch segment of 20"):
         ScratchRing(20, 2).fits(30)
+
+
+class _Allocator:
+    def __init__(self) -> None:
+        self.live, self.made = 0, 0
+
+    def empty(self, n, dtype, purpose):
+        self.made += 1
+        self.track(purpose, n * dtype.itemsize)
+        return torch.full((n,), float("nan"), dtype=dtype)
+
+    def track(self, purpose, nbytes):
+        self.live += nbytes
+
+    def release(self, t, purpose):
+        self.live -= t.numel() * t.element_size()
+
+
+def test_scratch_buckets_make_their_views_once_and_hold_no_memory_between_steps():
+    units = plan_units([("a", (2, 3)), ("b", (5,)), ("c", (4,))], 11, 2)  # [a, b] padded to 12, [c] to 4
+    alloc = _Allocator()
+    buckets = ScratchBuckets(ScratchRing(12, 2), units, torch.float32, alloc, rank=1)
+    seen = []
+    for _ in range(2):
+        first = buckets.take(0)
+        first.fill([torch.ones(2, 3, dtype=torch.bfloat16), None])  # b unused in this forward: zeros
+        assert torch.equal(first.flat, torch.tensor([1.0] * 6 + [0.0] * 6))
+        assert first.chunk.data_ptr() == first.flat[6:].data_ptr()  # rank 1's shard
+        second = buckets.take(1)
+        second.fill([torch.full((4,), 2.0)])
+        seen.append((first, second))
+        buckets.give_back()
+        buckets.give_back()
+        buckets.release()
+        assert alloc.live == 0 and all(s.untyped_storage().nbytes() == 0 for s in buckets.segments)
+    assert seen[0][0] is seen[1][0] and seen[0][1] is seen[1][1] and alloc.made == 2

@@ -82,7 +82,7 @@ class GradBuffers:
         """Hand the memory back and clear every ``.grad``: the next :meth:`hold` starts a new batch."""
         if self.held and self.flat is not None:
             self.allocator.release(self.flat, "grad")
-            if _owns_its_storage(self.flat):
+            if owns_its_storage(self.flat):
                 self.flat.untyped_storage().resize_(0)
             else:  # an allocator's buffer within a larger one (aligned host memory): made anew
                 self.flat, self.bufs, self.views = None, [], {}
@@ -92,7 +92,7 @@ class GradBuffers:
                 p.grad = None
 
 
-def _owns_its_storage(buf: torch.Tensor) -> bool:
+def owns_its_storage(buf: torch.Tensor) -> bool:
     """Whether ``buf`` is the whole of a storage that can be resized (torch's own allocation, not a
     slice of a larger or foreign one), so freeing and retaking its memory keeps its views valid."""
     storage = buf.untyped_storage()

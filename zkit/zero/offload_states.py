@@ -118,7 +118,8 @@ def state_tensors(part: "ZeroPartitioner", kind: OffloadStateTypeEnum) -> Iterat
         for name in ("grad_bufs", "grad_shards", "staged_grads"):
             yield from _flatten(getattr(part, name, []))
     elif kind is OffloadStateTypeEnum.contiguous_grad_buffer:
-        yield from _flatten([s for s in getattr(part, "_segments", []) if s is not None])
+        buckets = getattr(part, "buckets", None)  # stages 2-3: zkit.zero.scratch_buckets
+        yield from _flatten([s for s in (buckets.segments if buckets is not None else []) if s is not None])
         yield from _flatten(getattr(part, "_scratch", {}))
         yield from _spare(getattr(part, "_grad_spares", None))
 

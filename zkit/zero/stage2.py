@@ -32,6 +32,7 @@ from zkit.zero.buckets import GradientBucketer, ScratchRing
 from zkit.zero.config import zero_config
 from zkit.zero.grad_buffers import GradBuffers
 from zkit.zero.grad_sinks import GradShards, GradViews, StoreGrads
+from zkit.zero.scratch_buckets import ScratchBuckets
 from zkit.zero.zero_partitioner import ZeroPartitioner
 
 
@@ -51,9 +52,8 @@ class Stage2(ZeroPartitioner):
                                     self.allocator.grads_beside_master(), self.ctx.device)
         buckets = 2 if zero_config(self.ctx.config).overlap_comm and len(self.units) > 1 else 1
         self._ring = ScratchRing(max((u.padded for u in self.units), default=0), buckets)
-        #: the ring's segments (a bucket of the largest unit each), made by a batch's reductions as
-        #: needed and handed back after the step
-        self._segments: list[torch.Tensor | None] = [None] * buckets
+        #: where the gradients are packed for their reduction (their views made once)
+        self.buckets = ScratchBuckets(self._ring, self.units, self.comm_dtype, self.allocator, self.rank)
         self._launched: dict[int, torch.Tensor] = {}
         self.bucketer = GradientBucketer(
             [len(ps) for ps in self.unit_params],
@@ -113,31 +113,20 @@ class Stage2(ZeroPartitioner):
         self.bucketer.flush()
         self.grads.end_backward()
 
-    def _take_bucket(self, numel: int) -> torch.Tensor:
-        seg, start, end = self._ring.take(numel)
-        if self._segments[seg] is None:
-            self._segments[seg] = self.allocator.empty(self._ring.segment, self.comm_dtype, "bucket")
-        return self._segments[seg][start:end]
-
     def _launch(self, unit: int):
         if self.grads.in_place:
             return None  # one replica: the gradients are in their shard already
-        u = self.units[unit]
-        flat = self._take_bucket(u.padded)
+        bucket = self.buckets.take(unit)
+        flat = bucket.flat
         # Into the sink's memory, or in place into the bucket's own chunk (gloo and NCCL allow an
         # output that is this rank's chunk of the input): no landing area beyond the bucket.
-        lo, hi = u.shard_range(self.rank)
-        target = self.grads.reduce_target(unit, flat[lo:hi])
-        for slot, p in zip(u.slots, self.unit_params[unit]):
-            view = flat[slot.offset : slot.offset + slot.numel]
-            if p.grad is None:
-                view.zero_()  # unused in this forward
-            else:
-                view.copy_(p.grad.reshape(-1))
-                p.grad = None
-        flat[u.numel :].zero_()
+        target = self.grads.reduce_target(unit, bucket.chunk)
+        params = self.unit_params[unit]
+        bucket.fill([p.grad for p in params])
+        for p in params:
+            p.grad = None
         if self.pre_scale != 1.0:
-            flat[: u.numel].mul_(self.pre_scale)
+            bucket.real.mul_(self.pre_scale)
         self._launched[unit] = target
         if self.comm.world_size == 1:
             if target.data_ptr() != flat.data_ptr():  # else the chunk is the whole bucket already
@@ -152,7 +141,7 @@ class Stage2(ZeroPartitioner):
         if self.post_scale != 1.0:
             target.mul_(self.post_scale)
         self.grads.add_grad(unit, target)
-        self._ring.give_back()
+        self.buckets.give_back()
 
     def reduced_grad_shards(self):
         return self.grads.get()
@@ -163,10 +152,7 @@ class Stage2(ZeroPartitioner):
         # torch's zero_grad(set_to_none=True) do). Peak memory during a step is unchanged.
         self.master_store.zero_grad()
         self.grads.release()
-        for segment in self._segments:
-            if segment is not None:
-                self.allocator.release(segment, "bucket")
-        self._segments = [None] * self._ring.count
+        self.buckets.release()
         for params in self.unit_params:
             for p in params:
                 p.grad = None
