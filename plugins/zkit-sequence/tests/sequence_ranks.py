@@ -135,12 +135,14 @@ def refused(sp: int, model_options: dict) -> str:
     return "accepted"
 
 
-def freed_bytes_returned(sp: int) -> int:
-    """After initialize: how much of 64 freed 4 MiB tensors, each made beside a small one that stays
-    (as a step's transient activations sit between what it keeps), goes back to the system."""
+def freed_bytes_returned(sp: int) -> tuple[bool, int]:
+    """After initialize: whether freed host memory goes back to the system (the policy fixed), and
+    how much of 64 freed 4 MiB tensors, each made beside a small one that stays (as a step's
+    transient activations sit between what it keeps), went back."""
     import gc
 
     import zkit
+    from zkit.host_memory import return_freed_memory
 
     def rss() -> int:
         with open("/proc/self/status", encoding="ascii") as f:
@@ -157,5 +159,6 @@ def freed_bytes_returned(sp: int) -> int:
     del drop
     gc.collect()
     returned = before - rss()
+    applied = return_freed_memory()  # under auto and keep: whether it is fixed, asking nothing
     engine.close()
-    return returned
+    return applied, returned
