@@ -20,8 +20,8 @@ ZKIT = ["zkit-0", "zkit-1", "zkit-2", "zkit-3", "zkit-2-offload", "zkit-3-offloa
 #: ops of one step of bench_host.py's model at 2 layers, world size 1, rank 0 (plain PyTorch, then
 #: zkit's stages 0-2 and both offloads; stage 3's are pinned with its gathers)
 PINNED_OPS = {
-    "bf16": {"torch": 290, "zkit-0": 264, "zkit-1": 264, "zkit-2": 264, "zkit-2-offload": 260},
-    "fp32": {"torch": 241, "zkit-0": 259, "zkit-1": 259, "zkit-2": 259, "zkit-2-offload": 257},
+    "bf16": {"torch": 290, "zkit-0": 254, "zkit-1": 254, "zkit-2": 254, "zkit-2-offload": 250},
+    "fp32": {"torch": 241, "zkit-0": 249, "zkit-1": 249, "zkit-2": 249, "zkit-2-offload": 247},
 }
 
 
@@ -48,8 +48,8 @@ def test_zkit_steps_wait_for_nothing_and_dispatch_the_pinned_ops(dtype):
 
 #: the same at world size 2, rank 0, bf16: stages 2-3 pack each unit's gradients into its bucket
 #: with one _foreach_copy_ through views made once
-PINNED_OPS_TWO_RANKS = {"zkit-0": 267, "zkit-1": 280, "zkit-2": 281, "zkit-3": 305, "zkit-2-offload": 277,
-                        "zkit-3-offload": 546}
+PINNED_OPS_TWO_RANKS = {"zkit-0": 257, "zkit-1": 270, "zkit-2": 271, "zkit-3": 295, "zkit-2-offload": 267,
+                        "zkit-3-offload": 536}
 
 
 def test_two_ranks_wait_for_nothing_and_reduce_once_per_unit():

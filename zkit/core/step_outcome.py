@@ -17,8 +17,10 @@ class StepOutcomes:
 
     def __init__(self) -> None:
         self._skipped = 0
-        #: 0-dim tensors, 1 for each skipped step, not read yet
+        #: 0-dim tensors not read yet: each step's applied flag (a folded one: how many were applied)
         self._pending: list[torch.Tensor] = []
+        #: the steps those flags stand for
+        self._pending_steps = 0
         self._applied: bool | torch.Tensor = False
         self._grad_norm: float | torch.Tensor | None = None
 
@@ -27,22 +29,27 @@ class StepOutcomes:
         tensor or None (the step computed none)."""
         self._grad_norm = grad_norm
         if torch.is_tensor(applied):
-            self._pending.append(applied.logical_not())
+            self._pending.append(applied)  # the flag itself: nothing dispatched per step
+            self._pending_steps += 1
             if len(self._pending) >= _FOLD_AT:
-                self._pending = [torch.stack(self._pending).sum()]
+                self._pending = [self._applied_pending()]
         elif not applied:
             self._skipped += 1
 
     @property
     def skipped(self) -> int:
         if self._pending:
-            self._skipped += int(torch.stack(self._pending).sum().item())
-            self._pending = []
+            self._skipped += self._pending_steps - int(self._applied_pending().item())
+            self._pending, self._pending_steps = [], 0
         return self._skipped
+
+    def _applied_pending(self) -> torch.Tensor:
+        """How many of the pending steps were applied (on the device)."""
+        return torch.stack([flag.to(torch.int64) for flag in self._pending]).sum()
 
     @skipped.setter
     def skipped(self, value: int) -> None:
-        self._skipped, self._pending = int(value), []
+        self._skipped, self._pending, self._pending_steps = int(value), [], 0
 
     @property
     def applied(self) -> bool:

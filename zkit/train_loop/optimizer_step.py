@@ -46,7 +46,7 @@ def _step_on_device(step: "StepContext", norm: torch.Tensor | float | None) -> t
     """bf16/fp32: nothing read on the host (see the module docstring)."""
     if norm is not None:
         norm = torch.as_tensor(norm, dtype=torch.float32, device=step.device)
-        bad = torch.isfinite(norm).logical_not().to(torch.float32)
+        bad = norm.mul(0).nan_to_num_(1.0)  # 0 * a NaN or an infinity is NaN
     else:
         bad = nonfinite_flag(step)
     factor: float | torch.Tensor = 1.0
@@ -124,18 +124,22 @@ def nonfinite_flag(step: "StepContext") -> torch.Tensor:
 
 
 def _local_flag(step: "StepContext") -> torch.Tensor:
-    """This rank's part of :func:`nonfinite_flag`: 1.0 when its loss or gradients are bad."""
-    finite = None
-    if step.batch_losses:
-        losses = torch.stack([loss.reshape(()) for loss in step.batch_losses]).to(step.device)
-        finite = torch.isfinite(losses).all()
+    """This rank's part of :func:`nonfinite_flag`: 1.0 when its loss or gradients are bad. A few
+    ops whatever the batch (each a kernel launch on a GPU): 0 times the losses' sum is NaN exactly
+    when one of them is NaN or infinite (or their sum overflows)."""
+    losses = [loss if loss.dim() == 0 else loss.reshape(()) for loss in step.batch_losses]
+    zero = None
+    if losses:
+        total = losses[0] if len(losses) == 1 else torch.stack(losses).sum()
+        zero = total.to(step.device, torch.float32).mul(0)  # 0.0, or NaN
     grads_finite = step.partitioner.grads_finite()
     if grads_finite is not None:
         grads_finite = grads_finite.to(step.device)
-        finite = grads_finite if finite is None else finite.logical_and(grads_finite)
-    if finite is None:
+        # divided by False (0), 0 is NaN: bad gradients make the flag NaN as a bad loss does
+        zero = grads_finite.logical_not().to(torch.float32) if zero is None else zero.div(grads_finite)
+    if zero is None:
         return torch.zeros((), dtype=torch.float32, device=step.device)
-    return finite.logical_not().to(torch.float32)
+    return zero.nan_to_num_(1.0)
 
 
 def nonfinite_on_any_rank(step: "StepContext") -> bool:
