@@ -11,7 +11,9 @@ by purpose, so it equals ``engine.memory()``:
   reduce-scatters into the rank's own slice of it, in place); stage 2 only the shard
   (communication dtype);
 * ``bucket`` (stage 2): ``min(units, 2 if overlap_comm else 1)`` buckets of the largest unit
-  (communication dtype; later micro-steps reduce in place into the bucket's own chunk);
+  (communication dtype; later micro-steps reduce in place into the bucket's own chunk); at one
+  replica none, and ``grad`` is in the training dtype: the shards are the parameters' gradients,
+  written in place (unless the optimizer is offloaded from an accelerator or to NVMe);
 * ``optim_state``: the optimizer's per-element state over the *real* elements the rank owns
   (padding has no optimizer parameter).
 
@@ -256,7 +258,12 @@ def model_state_bytes(
             kept = largest + reuse if reuse > 0 else 0
             gathered = min(sum(released), largest + int(stage3_prefetch_bucket_size) + kept)
             device["gathered_param"] = gathered * p
-    if stage >= 2:
+    # stages 2-3 at one replica (zkit.zero.grad_sinks.GradViews): the shards are the parameters'
+    # gradients, written in place in the training dtype; nothing is reduced, so no bucket
+    grads_in_place = stage >= 2 and world == 1 and offload != "nvme" and not (offloaded and accelerator)
+    if grads_in_place:
+        device["grad"] = shard * p
+    elif stage >= 2:
         # reduce-scatter buckets, each the largest unit
         buckets = min(len(units), 2 if overlap_comm else 1)
         device["bucket"] = buckets * max(u.padded for u in units) * c
