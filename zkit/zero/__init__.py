@@ -8,11 +8,11 @@ returns (:func:`returned_params`) and ``engine.offload_states``' kinds and devic
 
 For plugins: the ``zero_optimization`` section (:func:`zero_config`, :class:`ZeroConfig`), the
 flat layout's sub-group packing (:func:`pack_aligned`), the side-stream copy queue
-(:class:`CopyQueue`) and the model-state arithmetic ``zkit estimate`` prints
+(:class:`CopyQueue`, whose copies are :class:`StreamCopy`) and the model-state arithmetic ``zkit estimate`` prints
 (:func:`model_state_bytes`, :mod:`zkit.zero.model_states`). The other modules are ZeRO's own.
 """
 from zkit.zero.config import ZeroConfig, zero_config
-from zkit.zero.copy_queue import CopyQueue
+from zkit.zero.copy_queue import CopyQueue, StreamCopy
 from zkit.zero.flat import pack_aligned
 from zkit.zero.full_state import (
     get_full_fp32_param,
@@ -38,6 +38,7 @@ __all__ = [
     "OffloadStateTypeEnum",
     "ParamStatus",
     "StateBytes",
+    "StreamCopy",
     "ZeroConfig",
     "ZeroParameter",
     "building_under_init",

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from zkit.zero.copy_queue import StreamCopy
+from zkit.zero import StreamCopy
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.allocators import HostAllocator
