@@ -299,7 +299,7 @@ class HostMasterStore:
         return self.grads
 
     def grad_norm_sq(self) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float32)
+        sq = torch.zeros((), dtype=torch.float32, device="cpu")  # the gradients are host tensors
         for g in self._settled_grads():
             sq += torch.linalg.vector_norm(g, dtype=torch.float32) ** 2
         return sq
@@ -308,7 +308,7 @@ class HostMasterStore:
         """One read pass over the host gradients (see the in-memory store's)."""
         shards = [g for g in self._settled_grads() if g.numel()]
         if not shards:
-            return torch.tensor(True)
+            return torch.tensor(True, device="cpu")
         norms = torch._foreach_norm(shards, 1, dtype=torch.float32)
         return torch.isfinite(norms[0] if len(norms) == 1 else torch.stack(norms).sum())
 
