@@ -8,7 +8,8 @@ returns (:func:`returned_params`) and ``engine.offload_states``' kinds and devic
 
 For plugins: the ``zero_optimization`` section (:func:`zero_config`, :class:`ZeroConfig`), the
 flat layout's sub-group packing (:func:`pack_aligned`), the side-stream copy queue
-(:class:`CopyQueue`, whose copies are :class:`StreamCopy`) and the model-state arithmetic ``zkit estimate`` prints
+(:class:`CopyQueue`, whose copies are :class:`StreamCopy`), a fused host optimizer's copy-out
+(:func:`attach_copy_outs`) and the model-state arithmetic ``zkit estimate`` prints
 (:func:`model_state_bytes`, :mod:`zkit.zero.model_states`). The other modules are ZeRO's own.
 """
 from zkit.zero.config import ZeroConfig, zero_config
@@ -23,6 +24,7 @@ from zkit.zero.full_state import (
     set_full_optimizer_state,
 )
 from zkit.zero.init import GatheredParameters, Init, building_under_init
+from zkit.zero.memory_store import attach_copy_outs
 from zkit.zero.model_states import OFFLOADS, STAGES, StateBytes, model_state_bytes, stage3_plan, stage3_units
 from zkit.zero.offload_states import OffloadDeviceEnum, OffloadStateTypeEnum
 from zkit.zero.returned import returned_params
@@ -41,6 +43,7 @@ __all__ = [
     "StreamCopy",
     "ZeroConfig",
     "ZeroParameter",
+    "attach_copy_outs",
     "building_under_init",
     "get_full_fp32_param",
     "get_full_grad",

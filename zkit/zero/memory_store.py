@@ -158,15 +158,7 @@ class InMemoryMasterStore:
         own pass: all pieces or none."""
         if self.master_is_param or not fuses(optimizer) or self.owner.allocator.optimizer_stepper() is not None:
             return
-        twins = []
-        for opt_param, u, a, b, _ in owned:
-            target = self.owner.publish_target(u)
-            if target is None or target.device.type != "cpu" or target.dtype not in (torch.float16, torch.bfloat16):
-                return
-            twins.append((opt_param, target[a:b]))
-        for opt_param, twin in twins:
-            optimizer.attach_copy_out(opt_param, twin)
-        self.copy_out = bool(twins)
+        self.copy_out = attach_copy_outs(optimizer, owned, self.owner.publish_target)
 
     def _master_grads(self) -> list[torch.Tensor]:
         shards = self._grads()
@@ -249,3 +241,19 @@ class InMemoryMasterStore:
             self.host_flag = torch.zeros((), dtype=torch.float32, device=self.owner.master_device)
         self.host_flag.copy_(value)
         return self.host_flag.item()
+
+
+def attach_copy_outs(optimizer: Any, owned: Sequence[tuple[Any, ...]],
+                     target: Callable[[int], torch.Tensor | None]) -> bool:
+    """Let a fused host optimizer's step write each owned piece's 16-bit parameters in its own pass
+    (``optimizer.attach_copy_out``), for all pieces or none: only where every piece's unit has a
+    16-bit ``target(unit)`` in host memory. Whether it attached any."""
+    twins = []
+    for opt_param, u, a, b, _ in owned:
+        where = target(u)
+        if where is None or where.device.type != "cpu" or where.dtype not in (torch.float16, torch.bfloat16):
+            return False
+        twins.append((opt_param, where[a:b]))
+    for opt_param, twin in twins:
+        optimizer.attach_copy_out(opt_param, twin)
+    return bool(twins)

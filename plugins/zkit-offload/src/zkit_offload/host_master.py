@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 import torch
 
-from zkit.zero import StreamCopy
+from zkit.zero import StreamCopy, attach_copy_outs
 
 if TYPE_CHECKING:  # pragma: no cover
     from zkit_offload.allocators import HostAllocator
@@ -228,16 +228,7 @@ class HostMasterStore:
     def _attach_copy_out(self, optimizer: Any, owned: Sequence[tuple[Any, ...]],
                          target: Callable[[int], torch.Tensor | None]) -> None:
         """All pieces or none (as :meth:`zkit.zero.memory_store.InMemoryMasterStore.bind`)."""
-        self.copy_out = False
-        twins = []
-        for opt_param, u, a, b, _ in owned:
-            where = target(u)
-            if where is None or where.device.type != "cpu" or where.dtype not in (torch.float16, torch.bfloat16):
-                return
-            twins.append((opt_param, where[a:b]))
-        for opt_param, twin in twins:
-            optimizer.attach_copy_out(opt_param, twin)
-        self.copy_out = bool(twins)
+        self.copy_out = attach_copy_outs(optimizer, owned, target)
 
     # -- gradients -------------------------------------------------------------------------------
     def begin_last_backward(self, optimizer: Any, owned: Sequence[tuple[Any, ...]],
