@@ -32,6 +32,23 @@ class MasterStore(Protocol):
     #: if not, the stage keeps them and the store reads them at the step
     takes_grads: bool
 
+    #: whether the store can step the parameters' own fp32 shards as its master and take the
+    #: parameters' gradients where autograd leaves them (:meth:`share_master`,
+    #: :meth:`add_grad_in_place`): where the store's memory is the training device's (a CPU-only
+    #: run), so no copy either way
+    shares_buffers: bool
+
+    def share_master(self, shards: Sequence[torch.Tensor]) -> None:
+        """Offered when :attr:`shares_buffers` and the parameters are fp32 on the store's device:
+        per unit, this rank's shard of the parameters, to be the master itself (stepped in place,
+        nothing published). Called once, before :meth:`bind`; :meth:`write_master` is not called."""
+
+    def add_grad_in_place(self, unit: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """Where :attr:`shares_buffers` at one replica with gradients of the master's dtype:
+        ``grads`` are ``unit``'s parameters' own gradients in slot order (``None`` for one without),
+        as autograd accumulated the batch's micro-steps so far, untouched until :meth:`zero_grad`;
+        called at each micro-step once the unit's gradients are complete (in place of :meth:`add_grad`)."""
+
     def write_master(self, unit: int, values: torch.Tensor) -> None:
         """New fp32 values of ``unit``'s master shard; ``values`` may be reused on return (it may
         also be what :meth:`read_master` returned)."""

@@ -62,7 +62,13 @@ class GradientBucketer:
             while self.fits is not None and self.in_flight and not self.fits(self.next):
                 self._complete_oldest()
             with phases.phase(f"reduce {self.names[self.next]}"):
-                self.in_flight.append((self.next, self.launch(self.next)))
+                handle = self.launch(self.next)
+            if handle is None and not self.in_flight:
+                # nothing in flight (one replica): finished now, not when the next unit launches,
+                # so what waits for the unit (a step in backward) does not wait for the next one
+                self.finish(self.next)
+            else:
+                self.in_flight.append((self.next, handle))
             self.next += 1
 
     def _complete_oldest(self) -> None:

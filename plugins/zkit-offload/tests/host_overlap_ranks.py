@@ -102,17 +102,22 @@ def ordered_under_fake_streams(dtype: str, steps: int = 2) -> dict:
         store = engine.partitioner.master_store
         store.stepper = HostStepper(threaded=False)
         events: list[tuple] = []
-        add_grad, publish = store.add_grad, engine.partitioner.publish_unit
+        add_grad, add_in_place, publish = store.add_grad, store.add_grad_in_place, engine.partitioner.publish_unit
 
         def logged_add_grad(unit, grad):
             events.append(("grad", unit, streams.issued))  # this unit's copy is the next one issued
             add_grad(unit, grad)
+
+        def logged_add_in_place(unit, grad):
+            events.append(("grad", unit, None))  # no copy: the unit's own buffer
+            add_in_place(unit, grad)
 
         def logged_publish(unit, master):
             events.append(("param", unit, streams.issued))
             publish(unit, master)
 
         store.add_grad = logged_add_grad
+        store.add_grad_in_place = logged_add_in_place
         engine.partitioner.publish_unit = logged_publish
         store.on_step = lambda unit: events.append(("step", unit, streams.ran))
         batches = []
@@ -123,9 +128,11 @@ def ordered_under_fake_streams(dtype: str, steps: int = 2) -> dict:
             batches.append(list(events))
         params = orr.params_of(engine)
         units = len(store.shard_sizes)
-        copy_out = store.copy_out
+        copy_out, in_place = store.copy_out, store.master_is_param
+        copies = streams.issued
         engine.close()
-    return {"batches": batches, "units": units, "copy_out": copy_out, "losses": losses, "params": params,
+    return {"batches": batches, "units": units, "copy_out": copy_out, "in_place": in_place, "copies": copies,
+            "losses": losses, "params": params,
             "plain_losses": plain_losses, "plain_params": plain_params}
 
 

@@ -52,6 +52,9 @@ def test_under_fake_streams_each_unit_steps_after_its_gradient_landed_and_return
         for u in range(units):
             at, copy_index = grads[u]
             step_at, copies_run = steps[u]
+            if r["in_place"]:  # fp32 on the CPU: the parameters and their gradient buffers themselves
+                assert step_at > at and copy_index is None and u not in params, (u, events)
+                continue
             # the host step came after its gradient's copy was issued and after that copy had run
             assert step_at > at and copies_run > copy_index, (u, events)
             if r["copy_out"]:  # bf16 in host memory: the step's own pass wrote the parameters
@@ -61,6 +64,9 @@ def test_under_fake_streams_each_unit_steps_after_its_gradient_landed_and_return
         # overlapped: the first unit stepped before the last unit's gradient arrived
         assert steps[0][0] < grads[units - 1][0]
     assert r["copy_out"] == (dtype == "bf16")
+    # fp32 on a CPU-only run copies nothing: the step works on the parameters and the gradient
+    # buffers backward wrote, as the step after backward does
+    assert r["in_place"] == (dtype == "fp32") and (r["copies"] == 0) == (dtype == "fp32")
 
 
 @pytest.mark.parametrize("change, words", [

@@ -17,7 +17,13 @@ store *takes* the gradients, :attr:`~zkit.core.stores.MasterStore.takes_grads`),
    copy queue (``publish_unit``, no wait; the gathers and the next forward wait for it).
 
 Units reach the store in index order, which is the order backward completes them, so the step of
-the first units runs beside the backward of the rest. The update is the same as the step after
+the first units runs beside the backward of the rest.
+
+On a CPU-only run with fp32 parameters there is no trip between device and host to make
+(:attr:`HostMasterStore.shares_buffers`): the partitioner hands over the parameters' shards as the
+master (:meth:`~HostMasterStore.share_master`: stepped in place, nothing published) and, at one
+replica, each unit's parameters' own gradients as autograd left them
+(:meth:`~HostMasterStore.add_grad_in_place`): the store copies nothing, as the step after backward. The update is the same as the step after
 backward, bit for bit, provided nothing needs every gradient before the first unit steps:
 
 * **clipping** scales every gradient by the global norm, known after the last gradient;
@@ -28,7 +34,9 @@ backward, bit for bit, provided nothing needs every gradient before the first un
   state are copied aside before it steps, and a skipped step puts them back and returns the
   parameters as they were, so the run equals the one stepping after backward, skipped step
   included. That costs one more copy of master and optimizer state in host memory (12 bytes a
-  parameter with Adam) and a copy pass per step, on the host thread.
+  parameter with Adam) and a copy pass per step, on the host thread, for every unit as the last
+  backward begins (the thread is idle until the first unit arrives). Each unit's step takes its
+  gradients' L2 norms, from which :meth:`HostMasterStore.grads_finite` answers without a pass.
 """
 from __future__ import annotations
 
@@ -118,6 +126,13 @@ class _BackwardStep:
         self.store, self.optimizer, self.members, self.publish = store, optimizer, members, publish
         self.running: list[tuple[int, Future]] = []  # submitted, not yet published, in unit order
         self.stepped: list[int] = []
+        #: each unit's gradient norms, taken by its host step (the verdict without another pass)
+        self.norms: list[list[torch.Tensor] | None] = [None] * len(members)
+        # Every unit is copied aside now, before backward has delivered any: the host thread is
+        # idle until the first unit arrives, and a unit's step then waits for nothing but its
+        # gradient (the last one's is what the batch waits for).
+        self.saved = [store.stepper.submit(lambda u=u: store.undo.save(u, optimizer, members[u]))
+                      for u in range(len(members))]
 
     def arrived(self, unit: int, copy: Any, staged: torch.Tensor | None) -> None:
         """``unit``'s last gradient of the batch is on its way (``copy``): step it on the host
@@ -125,10 +140,14 @@ class _BackwardStep:
         store, optimizer, members = self.store, self.optimizer, self.members[unit]
 
         def step() -> None:
-            copy.synchronize()  # the gradient has landed in host memory
+            if copy is not None:
+                copy.synchronize()  # the gradient has landed in host memory
             if staged is not None:  # an earlier micro-step of the batch is in the gradient already
                 store.grads[unit].add_(staged)
-            store.undo.save(unit, optimizer, members)
+            self.saved[unit].result()  # done: it came first on this thread (its error, if any, here)
+            grads = [g for g in store.unit_grads[unit] if g.numel()]
+            if grads:
+                self.norms[unit] = torch._foreach_norm(grads, 2, dtype=torch.float32)
             if members:
                 optimizer.fused_step(1.0, params=members)
             store.log_step(unit)
@@ -143,7 +162,7 @@ class _BackwardStep:
             unit, done = self.running.pop(0)
             done.result()  # the host thread's error, if any, here
             self.stepped.append(unit)
-            if not self.store.copy_out:  # else the step's pass wrote the parameters
+            if not (self.store.copy_out or self.store.master_is_param):  # else the step wrote the parameters
                 self.publish(unit, self.store.master[unit])
 
     def finish(self) -> None:
@@ -152,14 +171,28 @@ class _BackwardStep:
         finally:
             for _, pending in self.running:  # an error left some: let them end before going on
                 pending.exception()
+            for pending in self.saved:
+                pending.exception()
             self.running = []
+
+    def verdict(self) -> torch.Tensor | None:
+        """Whether every gradient is finite, from the norms the steps took (the store's
+        :meth:`~HostMasterStore.grads_finite` without its pass); ``None`` where a unit was not stepped."""
+        self.finish()
+        if len(self.stepped) != len(self.members):
+            return None
+        norms = [n for unit in self.norms if unit is not None for n in unit]
+        if not norms:
+            return torch.tensor(True, device="cpu")
+        return torch.isfinite(norms[0] if len(norms) == 1 else torch.stack(norms).sum())
 
     def undo(self) -> None:
         """Put every stepped unit's master and state back, and its parameters."""
         self.finish()
         for unit in self.stepped:
             self.store.undo.restore(unit, self.optimizer, self.members[unit])
-            self.publish(unit, self.store.master[unit])
+            if not self.store.master_is_param:
+                self.publish(unit, self.store.master[unit])
 
 
 class HostMasterStore:
@@ -174,15 +207,28 @@ class HostMasterStore:
 
     takes_grads = True
     step_in_backward = True
+    #: host memory is a CPU-only run's training memory: the partitioner may hand over the fp32
+    #: parameters as the master and the gradient buffers themselves (:meth:`share_master`,
+    #: :meth:`add_grad_in_place`), which the step then works on where they are, as the step after
+    #: backward does, with no copy in or out
+    shares_buffers = True
 
     def __init__(self, allocator: "HostAllocator", shard_sizes: Sequence[int]) -> None:
         self.allocator = allocator
         self.shard_sizes = [int(n) for n in shard_sizes]
+        self._starts = np.cumsum([0, *self.shard_sizes]).tolist()
         flat = allocator.empty(sum(self.shard_sizes), torch.float32, "master")
-        grads = allocator.empty(sum(self.shard_sizes), torch.float32, "master_grad")
-        starts = np.cumsum([0, *self.shard_sizes]).tolist()
-        self.master = [flat[a:b] for a, b in zip(starts, starts[1:])]
-        self.grads = [grads[a:b] for a, b in zip(starts, starts[1:])]
+        self.master = self._split(flat)
+        #: whether the master is the parameters' own shards (:meth:`share_master`)
+        self.master_is_param = False
+        #: per unit, its gradient of the batch in host buffers of the store's own, made at the first
+        #: :meth:`add_grad` (none where the gradients are taken in place)
+        self.grads: list[torch.Tensor | None] = [None] * len(self.shard_sizes)
+        #: per unit, the tensors its gradient is in: its buffer, or the parameters' own gradients
+        self.unit_grads: list[list[torch.Tensor]] = [[] for _ in self.shard_sizes]
+        #: per unit, its pieces (optimizer parameter, start, end in the shard), in shard order
+        self._pieces: list[list[tuple[torch.Tensor, int, int]]] = [[] for _ in self.shard_sizes]
+        self._zeros: dict[int, torch.Tensor] = {}  # a zero gradient for a piece whose parameter had none
         #: a later micro-step's gradients, until they are added (made at the first such micro-step)
         self.staged: list[torch.Tensor] | None = None
         self.stepper = HostStepper()
@@ -201,7 +247,18 @@ class HostMasterStore:
         if self.on_step is not None:
             self.on_step(unit)
 
+    def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[a:b] for a, b in zip(self._starts, self._starts[1:])]
+
     # -- the master ------------------------------------------------------------------------------
+    def share_master(self, shards: Sequence[torch.Tensor]) -> None:
+        """The fp32 parameters' shards are the master (a CPU-only run): the store's own goes back."""
+        if self.master:
+            self.allocator.release(self.master[0]._base if self.master[0]._base is not None else self.master[0],
+                                   "master")
+        self.master = [s.view(-1) for s in shards]
+        self.master_is_param = True
+
     def write_master(self, unit: int, values: torch.Tensor) -> None:
         self.master[unit].copy_(values.reshape(-1))
 
@@ -222,13 +279,25 @@ class HostMasterStore:
             )
         for opt_param, unit, a, b, _ in owned:
             opt_param.data = self.master[unit][a:b].view(opt_param.shape)
-            opt_param.grad = self.grads[unit][a:b].view(opt_param.shape)
+            self._pieces[unit].append((opt_param, a, b))
             self._members[unit].append(opt_param)
+        for pieces in self._pieces:
+            pieces.sort(key=lambda piece: piece[1])
 
-    def _attach_copy_out(self, optimizer: Any, owned: Sequence[tuple[Any, ...]],
-                         target: Callable[[int], torch.Tensor | None]) -> None:
-        """All pieces or none (as :meth:`zkit.zero.memory_store.InMemoryMasterStore.bind`)."""
-        self.copy_out = attach_copy_outs(optimizer, owned, target)
+    def _use_grad(self, unit: int, grad: torch.Tensor) -> None:
+        """``grad`` holds ``unit``'s gradients from now on: the unit's pieces' ``.grad`` are its views."""
+        self.grads[unit] = grad
+        self.unit_grads[unit] = [grad]
+        for opt_param, a, b in self._pieces[unit]:
+            opt_param.grad = grad[a:b].view(opt_param.shape)
+
+    def _own_grads(self) -> list[torch.Tensor]:
+        """The store's own fp32 gradient buffers, made the first time a gradient is copied in."""
+        if any(g is None for g in self.grads):
+            flat = self.allocator.empty(sum(self.shard_sizes), torch.float32, "master_grad")
+            for unit, grad in enumerate(self._split(flat)):
+                self._use_grad(unit, grad)
+        return self.grads  # type: ignore[return-value]
 
     # -- gradients -------------------------------------------------------------------------------
     def begin_last_backward(self, optimizer: Any, owned: Sequence[tuple[Any, ...]],
@@ -239,7 +308,8 @@ class HostMasterStore:
         where the unit's parameters are (the partitioner's ``publish_target``): 16-bit ones in host
         memory are written by the step's own pass, as the in-memory store's copy-out does."""
         if target is not None and self.copy_out is None:
-            self._attach_copy_out(optimizer, owned, target)
+            # the fp32 parameters themselves are stepped where they are the master
+            self.copy_out = False if self.master_is_param else attach_copy_outs(optimizer, owned, target)
         if self._backward_step is not None:
             raise RuntimeError(
                 f"{_KEY}: a second backward ends the batch before step(); the first one has already stepped the units "
@@ -261,7 +331,8 @@ class HostMasterStore:
             if self.staged is None:
                 self.staged = [self.allocator.empty(n, torch.float32, "master_grad") for n in self.shard_sizes]
             staged = self.staged[unit]
-        copy = self.allocator.copies.copy(staged if staged is not None else self.grads[unit], grad.reshape(-1))
+        grads = self._own_grads()
+        copy = self.allocator.copies.copy(staged if staged is not None else grads[unit], grad.reshape(-1))
         self._arrived += 1
         if self._backward_step is not None:
             self._backward_step.arrived(unit, copy, staged)
@@ -271,6 +342,30 @@ class HostMasterStore:
             copy.hold_source()
         if self._arrived == len(self.shard_sizes):
             self._end_micro_step()
+
+    def add_grad_in_place(self, unit: int, grads: Sequence[torch.Tensor | None]) -> None:
+        """``unit``'s parameters' own gradients, the micro-steps accumulated into them by autograd
+        (see :attr:`shares_buffers`): each piece's ``.grad`` is its parameter's, nothing copied or
+        added; at the batch's last backward the unit steps."""
+        pieces = self._pieces[unit]
+        if len(grads) != len(pieces):  # one replica: a piece is a whole parameter
+            raise RuntimeError(f"unit {unit} has {len(pieces)} pieces but {len(grads)} gradients came")
+        taken = []
+        for (opt_param, _, _), grad in zip(pieces, grads):
+            if grad is None:  # a parameter this batch did not reach steps on a zero gradient, as a shard's
+                grad = self._zeros.get(id(opt_param))
+                if grad is None:
+                    grad = self._zeros[id(opt_param)] = torch.zeros_like(opt_param)
+            elif grad.shape != opt_param.shape:
+                grad = grad.view(opt_param.shape)
+            opt_param.grad = grad
+            taken.append(grad)
+        self.unit_grads[unit] = taken
+        self._arrived += 1
+        if self._backward_step is not None:
+            self._backward_step.arrived(unit, None, None)
+        if self._arrived == len(self.shard_sizes):
+            self._arrived = 0
 
     def _end_micro_step(self) -> None:
         """Every unit of the micro-step has arrived: outside the last backward, add it to the batch."""
@@ -284,10 +379,10 @@ class HostMasterStore:
         self._accumulated = True
 
     def _settled_grads(self) -> list[torch.Tensor]:
-        """The batch's gradients, once every copy and step in flight has finished."""
+        """The batch's gradient tensors, once every copy and step in flight has finished."""
         if self._backward_step is not None:
             self._backward_step.finish()
-        return self.grads
+        return [g for grads in self.unit_grads for g in grads]
 
     def grad_norm_sq(self) -> torch.Tensor:
         sq = torch.zeros((), dtype=torch.float32, device="cpu")  # the gradients are host tensors
@@ -296,11 +391,15 @@ class HostMasterStore:
         return sq
 
     def grads_finite(self) -> torch.Tensor:
-        """One read pass over the host gradients (see the in-memory store's)."""
+        """One read pass over the host gradients (see the in-memory store's), or none where this
+        batch's units stepped during backward: each step took its unit's norm."""
+        early = self._backward_step.verdict() if self._backward_step is not None else None
+        if early is not None:
+            return early
         shards = [g for g in self._settled_grads() if g.numel()]
         if not shards:
             return torch.tensor(True, device="cpu")
-        norms = torch._foreach_norm(shards, 1, dtype=torch.float32)
+        norms = torch._foreach_norm(shards, 2, dtype=torch.float32)
         return torch.isfinite(norms[0] if len(norms) == 1 else torch.stack(norms).sum())
 
     def zero_grad(self) -> None:
@@ -308,6 +407,11 @@ class HostMasterStore:
         self._accumulated = False
         self._arrived = 0
         self._copies = []
+        for unit, grad in enumerate(self.grads):
+            if grad is None:  # the parameters' own gradients: let them go with the parameters' ``.grad``
+                self.unit_grads[unit] = []
+                for opt_param, _, _ in self._pieces[unit]:
+                    opt_param.grad = None
 
     def skip_step(self) -> None:
         """The batch is skipped: the units stepped in backward get their master, optimizer state
@@ -332,8 +436,9 @@ class HostMasterStore:
             self.undo.clear()
             return
         optimizer.fused_step(grad_factor)
-        for unit, master in enumerate(self.master):
-            publish(unit, master)
+        if not self.master_is_param:
+            for unit, master in enumerate(self.master):
+                publish(unit, master)
 
     def close(self) -> None:
         self.stepper.close()

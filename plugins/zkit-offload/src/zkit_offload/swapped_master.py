@@ -65,6 +65,8 @@ class SwappedMasterStore:
 
     #: every micro-step's reduced gradient shard comes to :meth:`add_grad`
     takes_grads = True
+    #: master and gradients live in files: nothing in memory to share
+    shares_buffers = False
 
     def __init__(self, allocator: "NVMeAllocator", shard_sizes: Sequence[int], sub_group_size: int) -> None:
         if sub_group_size < 1:
@@ -187,6 +189,12 @@ class SwappedMasterStore:
         early, self._backward_step = self._backward_step, None
         if early is not None:
             early.abandon()
+
+    def share_master(self, shards: Sequence[torch.Tensor]) -> None:
+        raise RuntimeError("the NVMe master store keeps its master in files; it shares no buffers")
+
+    def add_grad_in_place(self, unit: int, grads: Sequence[torch.Tensor | None]) -> None:
+        raise RuntimeError("the NVMe master store keeps its gradients in files; it takes none in place")
 
     def add_grad(self, unit: int, grad: torch.Tensor) -> None:
         """Add one micro-step's reduced gradient shard of ``unit`` (any float dtype) to what this
