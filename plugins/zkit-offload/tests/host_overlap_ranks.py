@@ -102,24 +102,15 @@ def ordered_under_fake_streams(dtype: str, steps: int = 2) -> dict:
         store = engine.partitioner.master_store
         store.stepper = HostStepper(threaded=False)
         events: list[tuple] = []
-        add_grad, add_in_place, publish = store.add_grad, store.add_grad_in_place, engine.partitioner.publish_unit
+        shared = store.master_is_param
 
-        def logged_add_grad(unit, grad):
-            events.append(("grad", unit, streams.issued))  # this unit's copy is the next one issued
-            add_grad(unit, grad)
+        def listen(event, unit):
+            if event == "step":  # with how many side-stream copies had run by then
+                events.append(("step", unit, streams.ran))
+            else:  # a gradient's copy or the parameters' is the next one issued (none when shared)
+                events.append((event, unit, None if shared else streams.issued))
 
-        def logged_add_in_place(unit, grad):
-            events.append(("grad", unit, None))  # no copy: the unit's own buffer
-            add_in_place(unit, grad)
-
-        def logged_publish(unit, master):
-            events.append(("param", unit, streams.issued))
-            publish(unit, master)
-
-        store.add_grad = logged_add_grad
-        store.add_grad_in_place = logged_add_in_place
-        engine.partitioner.publish_unit = logged_publish
-        store.on_step = lambda unit: events.append(("step", unit, streams.ran))
+        store.listener = listen
         batches = []
         losses = []
         for step in range(steps):

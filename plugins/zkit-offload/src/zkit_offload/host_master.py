@@ -150,7 +150,7 @@ class _BackwardStep:
                 self.norms[unit] = torch._foreach_norm(grads, 2, dtype=torch.float32)
             if members:
                 optimizer.fused_step(1.0, params=members)
-            store.log_step(unit)
+            store.log("step", unit)
 
         self.running.append((unit, store.stepper.submit(step)))
         self.publish_done()
@@ -163,6 +163,7 @@ class _BackwardStep:
             done.result()  # the host thread's error, if any, here
             self.stepped.append(unit)
             if not (self.store.copy_out or self.store.master_is_param):  # else the step wrote the parameters
+                self.store.log("publish", unit)
                 self.publish(unit, self.store.master[unit])
 
     def finish(self) -> None:
@@ -240,12 +241,14 @@ class HostMasterStore:
         self._backward_step: _BackwardStep | None = None
         #: whether the step writes the 16-bit parameters itself (``None``: not decided yet)
         self.copy_out: bool | None = None
-        #: what each host step did, when a test listens (``log_step``)
-        self.on_step: Callable[[int], None] | None = None
+        #: ``listener(event, unit)``, when someone listens: ``"grad"`` (a unit's gradients arrived;
+        #: its copy, if any, is the next one the copy queue issues), ``"step"`` (the host thread
+        #: stepped it), ``"publish"`` (its parameters' copy is about to be issued)
+        self.listener: Callable[[str, int], None] | None = None
 
-    def log_step(self, unit: int) -> None:
-        if self.on_step is not None:
-            self.on_step(unit)
+    def log(self, event: str, unit: int) -> None:
+        if self.listener is not None:
+            self.listener(event, unit)
 
     def _split(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[a:b] for a, b in zip(self._starts, self._starts[1:])]
@@ -332,6 +335,7 @@ class HostMasterStore:
                 self.staged = [self.allocator.empty(n, torch.float32, "master_grad") for n in self.shard_sizes]
             staged = self.staged[unit]
         grads = self._own_grads()
+        self.log("grad", unit)
         copy = self.allocator.copies.copy(staged if staged is not None else grads[unit], grad.reshape(-1))
         self._arrived += 1
         if self._backward_step is not None:
@@ -361,6 +365,7 @@ class HostMasterStore:
             opt_param.grad = grad
             taken.append(grad)
         self.unit_grads[unit] = taken
+        self.log("grad", unit)
         self._arrived += 1
         if self._backward_step is not None:
             self._backward_step.arrived(unit, None, None)
