@@ -111,6 +111,12 @@ def ordered_under_fake_streams(dtype: str, steps: int = 2) -> dict:
                 events.append((event, unit, None if shared else streams.issued))
 
         store.listener = listen
+        # when backward reaches the embedding lookup, its last op: units handed over before that
+        # were handed over while backward ran, not at its end
+        def mark(module, args, out) -> None:
+            out.register_hook(lambda grad: events.append(("embedding", -1, None)))
+
+        engine.module.embed.register_forward_hook(mark)
         batches = []
         losses = []
         for step in range(steps):

@@ -61,8 +61,10 @@ def test_under_fake_streams_each_unit_steps_after_its_gradient_landed_and_return
                 assert u not in params
             else:  # the parameters' copy is issued after the step, not before
                 assert params[u] > step_at, (u, events)
-        # overlapped: the first unit stepped before the last unit's gradient arrived
+        # overlapped: the first unit stepped before the last unit's gradient arrived, and was
+        # handed over before backward reached its last op (the embedding lookup)
         assert steps[0][0] < grads[units - 1][0]
+        assert grads[0][0] < events.index(("embedding", -1, None)), events
     assert r["copy_out"] == (dtype == "bf16")
     # fp32 on a CPU-only run copies nothing: the step works on the parameters and the gradient
     # buffers backward wrote, as the step after backward does
