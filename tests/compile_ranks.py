@@ -88,14 +88,17 @@ class _Blocks(torch.nn.Module):
         return self.out(x)
 
 
-def stage3_regions(persistence: int) -> dict:
+def stage3_regions(persistence: int, offload: bool = False) -> dict:
     """Stage 3 per block, eager and under engine.compile (aot_eager): losses, graphs compiled after
-    the second step and after the last, and the graph breaks."""
+    the second step and after the last, and the graph breaks. ``offload``: parameters and
+    optimizer on the host (zkit-offload's ``offload_param`` / ``offload_optimizer`` on cpu)."""
     from torch._dynamo.utils import counters
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence}}
+    if offload:
+        cfg["zero_optimization"].update(offload_param={"device": "cpu"}, offload_optimizer={"device": "cpu"})
     data = torch.randn(5, world, 2, 4, generator=torch.Generator().manual_seed(3))
     out = {}
     for how in ("eager", "engine.compile"):

@@ -139,9 +139,6 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("nvme_offload", "onebit_adam"): ("state swapped from NVMe is stepped sub-group by sub-group, which only the "
                                       "fused CPU optimizers do", ("onebitadam", "nvme")),
     ("nvme_offload", "client_sgd"): ("as above: SGD has no sub-group step", ("sgd", "nvme")),
-    ("param_offload", "compile"): ("engine.compile compiles stage 3 block by block, and with offload_param stage 3 "
-                                   "gathers per module (its buffers are sized per module)",
-                                   ("torch.compile", "stage 3", "offload_param")),
     ("zero3", "pipeline"): ("stage 3 gathers parameters per forward, which the pipeline's chunks do not do",
                             ("zero stage 3", "pipeline")),
     ("param_offload", "pipeline"): ("parameter offload is stage 3 (as above)", ("zero stage 3", "pipeline")),

@@ -53,12 +53,14 @@ def _engine(stage=0, model=None):
 STAGE3 = r"torch.compile of a whole model with ZeRO stage 3 is not supported: stage 3 turns each released parameter"
 
 
-@pytest.mark.parametrize("world, persistence", ((1, 0), (2, 0), (2, 10**6)))
-def test_stage_3_compiles_block_by_block_with_the_eager_losses(world, persistence):
+@pytest.mark.parametrize("world, persistence, offload", ((1, 0, False), (2, 0, False), (2, 10**6, False),
+                                                       (1, 0, True), (2, 0, True)))
+def test_stage_3_compiles_block_by_block_with_the_eager_losses(world, persistence, offload):
     """engine.compile at stage 3 compiles each block's forward, gathered before it and released
     after it outside the compiled code: the eager run's losses, one graph for the three equal
-    blocks, none compiled after the second step, no graph break."""
-    results = run_ranks(cr.stage3_regions, world, args=(persistence,), timeout=600)
+    blocks, none compiled after the second step, no graph break. With parameters and optimizer on
+    the host too (their units are blocks as well)."""
+    results = run_ranks(cr.stage3_regions, world, args=(persistence, offload), timeout=600)
     for r in results:
         eager, compiled = r["eager"], r["engine.compile"]
         assert compiled["compiled"] and not eager["compiled"]

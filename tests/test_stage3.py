@@ -313,10 +313,11 @@ def test_a_user_hook_returning_a_value_is_named_as_the_cause(stage):
     )
 
 
-def _gathers_per_unit_kind(unit: str) -> dict:
+def _gathers_per_unit_kind(unit: str | None, offload_param: bool = False) -> dict:
     """Rank function: a 3-layer GPT at stage 3, nothing persistent, nothing kept for reuse; the
-    units, the all-gathers of one forward and one backward, and whether at one replica a gathered
-    parameter lies in its unit's shard."""
+    units, the all-gathers of one forward and one backward, whether at one replica a gathered
+    parameter lies in its unit's shard, and the parameters after two steps. ``unit`` None: the
+    config's default; ``offload_param``: the shards on the host (zkit-offload, ``cpu``)."""
     import torch
 
     import zkit
@@ -325,8 +326,11 @@ def _gathers_per_unit_kind(unit: str) -> dict:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=3, n_head=2, d_model=16))
     cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
-                                 "stage3_gather_unit": unit}}
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}}
+    if unit is not None:
+        cfg["zero_optimization"]["stage3_gather_unit"] = unit
+    if offload_param:
+        cfg["zero_optimization"]["offload_param"] = {"device": "cpu"}
     engine, *_ = zkit.initialize(model=model, config=cfg)
     ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
     out = {"units": sorted(engine.partitioner.unit_modules), "in_shard": []}
@@ -359,6 +363,7 @@ def _gathers_per_unit_kind(unit: str) -> dict:
         shard = su.shard
         out["in_shard"] = (shard is not None and shard.data_ptr() <= weight.data_ptr() < shard.data_ptr()
                            + shard.numel() * shard.element_size())
+    out["params"] = er.params_of(engine)
     engine.close()
     return out
 
@@ -377,3 +382,22 @@ def test_one_replica_computes_with_the_shard_itself():
     (r,) = run_ranks(_gathers_per_unit_kind, 1, args=("block",), timeout=120)
     assert r["in_shard"] is True
     assert r["forward_copies"] == 0  # each of the 4 units gathered with no copy
+
+
+@pytest.mark.parametrize("world", (1, 2, 4))
+def test_parameters_on_the_host_are_gathered_per_block_by_default_with_the_same_result(world):
+    """offload_param on cpu: a block is one copy to the device and one collective, as without
+    offload (per module, 2 ranks took 65 collectives a step of bench_host.py's 2-layer GPT where
+    per block takes 13); the parameters after training are exactly those of stage 3 without
+    offload and of the per-module units, which stay selectable."""
+    pytest.importorskip("zkit_offload")
+    host = run_ranks(_gathers_per_unit_kind, world, args=(None, True), timeout=300)
+    device = run_ranks(_gathers_per_unit_kind, world, args=(None,), timeout=300)
+    module = run_ranks(_gathers_per_unit_kind, world, args=("module", True), timeout=300)
+    assert host[0]["units"] == ["", "blocks.0", "blocks.1", "blocks.2"]
+    assert len(module[0]["units"]) > 4
+    if world > 1:
+        assert host[0]["forward"] == host[0]["backward"] == 4
+        assert module[0]["forward"] >= len(module[0]["units"])
+    for a, b, c in zip(host, device, module):
+        assert _max_diff(a["params"], b["params"]) == 0 and _max_diff(a["params"], c["params"]) == 0

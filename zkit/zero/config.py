@@ -34,12 +34,13 @@ def _mics_requested(value: int) -> bool:
     return value != -1
 
 
-def _params_offloaded(section: Any) -> bool:
-    """Whether an ``offload_param`` section (zkit-offload's schema, or a plain dict) offloads."""
+def _params_offload_device(section: Any) -> str:
+    """Where an ``offload_param`` section (zkit-offload's schema, or a plain dict) puts the
+    parameter shards: ``"none"``, ``"cpu"`` or ``"nvme"``."""
     if section is None:
-        return False
+        return "none"
     device = section.get("device") if isinstance(section, dict) else getattr(section, "device", None)
-    return str(getattr(device, "value", device) or "none").lower() != "none"
+    return str(getattr(device, "value", device) or "none").lower()
 
 
 @attrs.frozen(kw_only=True)
@@ -133,16 +134,18 @@ class ZeroConfig:
         100_000, check=at_least(0), doc="Parameters smaller than this stay unpartitioned."
     )
     stage3_gather_unit: str = setting(
-        attrs.Factory(lambda self: "module" if _params_offloaded(self.offload_param) else "block", takes_self=True),
-        default_doc='"block"; "module" with offload_param',
+        attrs.Factory(lambda self: "module" if _params_offload_device(self.offload_param) == "nvme" else "block",
+                      takes_self=True),
+        default_doc='"block"; "module" with offload_param on nvme',
         check=one_of(("block", "module")),
         doc="What stage 3 gathers and releases as one unit, with one collective: \"block\" (FSDP2's "
         "per-block wrap), each block of the model (the children of a ModuleList or Sequential that holds "
         "two or more of their class, such as a transformer's layers) with every parameter under it, and the "
         "root with the parameters outside any block; \"module\" (DeepSpeed's units), each module's own "
         "parameters. zkit's key. Per block, a parameter within stage3_param_persistence_threshold stays "
-        "gathered, in a unit of its own per block. With offload_param the default is \"module\": the "
-        "offloaded shards are read into buffers of offload_param.buffer_size, sized per module as in DeepSpeed.",
+        "gathered, in a unit of its own per block. With offload_param on nvme the default is \"module\": the "
+        "shards are read from disk into buffers of offload_param.buffer_size, sized per module as in DeepSpeed; "
+        "with offload_param on cpu a gather is one copy to the device and one collective per block.",
     )
     stage3_model_persistence_threshold: int = setting(
         sys.maxsize,

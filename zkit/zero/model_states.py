@@ -219,8 +219,8 @@ def model_state_bytes(
     world = 1 if stage == 0 else world_size
     rank = 0 if stage == 0 else rank
     if stage == 3:
-        if stage3_gather_unit is None:  # the config's default: per module with parameters offloaded
-            stage3_gather_unit = "module" if offload == "cpu+params" else "block"
+        if stage3_gather_unit is None:  # the config's default: per module only with parameters on NVMe
+            stage3_gather_unit = "block"
         planned = stage3_plan(shapes, world, stage3_gather_unit, int(stage3_param_persistence_threshold),
                               int(stage3_model_persistence_threshold))
         units, keep = [u for u, _ in planned], [k for _, k in planned]

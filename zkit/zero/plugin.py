@@ -20,8 +20,8 @@ STAGE3_COMPILE_REFUSAL = (
     "from a placeholder into its gathered values inside forward, and Dynamo would compile the forward again at "
     "every step. engine.compile() compiles stage 3 block by block, gathering each block outside its compiled "
     "forward: call it after initialize (not initialize(model=torch.compile(model))), with "
-    "zero_optimization.stage3_gather_unit \"block\" (the default, but not with offload_param, whose units are "
-    "per module) and a model whose layers are the children of a ModuleList or Sequential"
+    "zero_optimization.stage3_gather_unit \"block\" (the default, but not with offload_param on nvme, whose "
+    "units are per module) and a model whose layers are the children of a ModuleList or Sequential"
 )
 
 #: stage, class, extra names, what it partitions

@@ -360,7 +360,7 @@ class Stage3(Stage2):
         """Per block: the blocks, each gathered by a forward pre-hook before its compiled forward
         runs and released by its forward hook after (both eager, outside the compiled code), so the
         compiled code always sees gathered parameters of the same shapes and strides. Per module
-        (``stage3_gather_unit: "module"``, the default with ``offload_param``) or with no block:
+        (``stage3_gather_unit: "module"``, the default with ``offload_param`` on nvme) or with no block:
         ``None`` (refused)."""
         if zero_config(self.ctx.config).stage3_gather_unit != "block":
             return None
