@@ -92,3 +92,42 @@ def test_one_replica_bf16_stages_2_and_3_equal_stage_0():
         for stage in (2, 3):
             params, losses = out[(stage, dtype, 3)]
             assert losses == base_losses and _max_diff(params, base_params) == 0, (stage, dtype)
+
+
+def _one_replica_gradient_paths(stage: int) -> dict:
+    """Rank function (one rank): whether any parameter carries a post-accumulate hook, then 3
+    steps whose middle one's gradients come from a backward outside the engine's (after
+    ``zero_grad(set_to_none=True)``) and from a second micro-step whose ``.grad`` the user replaced,
+    against single-process torch."""
+    import zkit
+
+    engine, *_ = zkit.initialize(model=er.make_model(), config=er.config(stage, "fp32", 2, 1))
+    hooked = any(p._post_accumulate_grad_hooks for p in engine.module.parameters())
+    ids, labels = er.global_batches(3, 2, 1)
+    for step in range(3):
+        for m in range(2):
+            first = (step * 2 + m) * 2
+            loss = engine(ids[first : first + 2], labels[first : first + 2])
+            if step == 1 and m == 0:  # a backward outside the engine's, into fresh gradients
+                engine.module.zero_grad(set_to_none=True)
+                (loss / 2).backward()
+            elif step == 1:  # the engine's, into gradients the user replaced by equal copies
+                for p in engine.module.parameters():
+                    p.grad = p.grad.clone()
+                engine.backward(loss)
+            else:
+                engine.backward(loss)
+            engine.step()
+    params = er.params_of(engine)
+    engine.close()
+    return {"hooked": hooked, "params": params}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_at_one_replica_no_parameter_is_hooked_and_replaced_gradients_are_taken_in(stage):
+    # a post-accumulate hook per parameter is a call into Python per parameter and backward; at
+    # one replica there is nothing to reduce, and the stage takes the gradients in at the end of
+    # backward and at the step, whatever made them
+    (out,) = run_ranks(_one_replica_gradient_paths, 1, args=(stage,), timeout=300)
+    assert not out["hooked"]
+    assert _max_diff(out["params"], er.reference(3, 2, 1)) < 1e-5

@@ -46,6 +46,19 @@ def test_nonfinite_step_is_skipped_with_a_warning(extra, caplog):
     assert all(torch.isfinite(p).all() for p in engine.module.parameters())
 
 
+@pytest.mark.parametrize("extra", [{}, {"gradient_clipping": 1.0}], ids=["gradients-checked", "norm-for-clipping"])
+def test_gradients_whose_squares_overflow_skip_the_step_with_or_without_clipping(extra):
+    # Finite loss and gradients (5e19), whose squares are past fp32's range: the gradient norm
+    # clipping computes is infinite, and the check made without clipping says the same.
+    engine = _engine(**extra)
+    _step(engine, bad=False)
+    loss = (engine(torch.full((2, 4), 1e20)) * 0.5).sum()
+    assert torch.isfinite(loss)
+    engine.backward(loss)
+    engine.step()
+    assert not engine.was_step_applied() and engine.skipped_steps == 1
+
+
 def test_too_many_nonfinite_steps_in_a_row_stop_the_job_naming_the_step():
     engine = _engine(nonfinite_steps_limit=2)
     _step(engine, bad=False)

@@ -43,13 +43,25 @@ class FullGradientPartitioner(ZeroPartitioner):
     def keeps_grad_buffers(self) -> bool:
         return True
 
+    @property
+    def hooks_each_gradient(self) -> bool:
+        # one replica: nothing to reduce, each gradient is in its view already
+        return self.comm.world_size > 1
+
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         self.grad_buffers.take(param)
         if self._reducing:
             self.bucketer.ready(self.unit_of[id(param)])
 
+    def _final_grad_bufs(self) -> list[torch.Tensor]:
+        """The gradient buffers, holding every gradient: without hooks, a ``.grad`` that is not
+        its view (made by a backward outside the engine's, or set by the user) is copied in first."""
+        if not self._hooked:
+            self.grad_buffers.take_all()
+        return self._ensure_grad_bufs()
+
     def backward_context(self, boundary: bool):
-        self._ensure_grad_bufs()
+        self._final_grad_bufs()
         self._reducing = boundary and self.gradient_reduction and self.comm.world_size > 1
         return contextlib.nullcontext()
 
@@ -57,6 +69,8 @@ class FullGradientPartitioner(ZeroPartitioner):
         if self._reducing:
             self.bucketer.flush()
         self._reducing = False
+        if not self._hooked:
+            self.grad_buffers.take_all()
 
     def _comm_buffer(self, unit: int) -> torch.Tensor:
         """The unit's gradients in the communication dtype (a scratch copy when it differs),

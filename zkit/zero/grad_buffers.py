@@ -40,6 +40,8 @@ class GradBuffers:
         self.bufs: list[torch.Tensor] = []
         self.views: dict[int, torch.Tensor] = {}
         self.held = False
+        #: (parameter, its view), every parameter's once the views are made
+        self._viewed: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def hold(self) -> list[torch.Tensor]:
         """Give the buffers their memory, zeroed, and point every parameter's ``.grad`` into them
@@ -56,14 +58,14 @@ class GradBuffers:
                 for slot, p in zip(u.slots, params):
                     self.views[id(p)] = buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
                 self.bufs.append(buf)
+            self._viewed = [(p, self.views[id(p)]) for params in self.unit_params for p in params]
         else:
             nbytes = self.flat.numel() * self.flat.element_size()
             self.flat.untyped_storage().resize_(nbytes)
             self.allocator.track("grad", nbytes)
             self.flat.zero_()
-        for params in self.unit_params:
-            for p in params:
-                p.grad = self.views[id(p)]
+        for p, view in self._viewed:
+            p.grad = view
         self.held = True
         return self.bufs
 
@@ -78,6 +80,22 @@ class GradBuffers:
             view.copy_(grad)
             param.grad = view
 
+    def take_all(self) -> None:
+        """:meth:`take` for every parameter at once, where no hook takes each gradient as it
+        arrives: a ``.grad`` set but not its view (replaced since the buffers were held, or made
+        by a backward before they were) is copied in."""
+        if self._viewed:
+            strays = [(p, g) for p, view in self._viewed if (g := p.grad) is not view and g is not None]
+        else:  # no views yet: every gradient is one
+            strays = [(p, p.grad) for params in self.unit_params for p in params if p.grad is not None]
+        if not strays:
+            return
+        self.hold()
+        for param, grad in strays:
+            view = self.views[id(param)]
+            view.copy_(grad)
+            param.grad = view
+
     def release(self) -> None:
         """Hand the memory back and clear every ``.grad``: the next :meth:`hold` starts a new batch."""
         if self.held and self.flat is not None:
@@ -85,7 +103,7 @@ class GradBuffers:
             if owns_its_storage(self.flat):
                 self.flat.untyped_storage().resize_(0)
             else:  # an allocator's buffer within a larger one (aligned host memory): made anew
-                self.flat, self.bufs, self.views = None, [], {}
+                self.flat, self.bufs, self.views, self._viewed = None, [], {}, []
         self.held = False
         for params in self.unit_params:
             for p in params:

@@ -18,4 +18,4 @@ class Stage0(FullGradientPartitioner):
         return buf
 
     def reduced_grad_shards(self):
-        return self._ensure_grad_bufs()
+        return self._final_grad_bufs()

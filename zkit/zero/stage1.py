@@ -48,4 +48,5 @@ class Stage1(FullGradientPartitioner):
     def reduced_grad_shards(self):
         if not self.gradient_reduction and self.comm.world_size > 1:
             raise RuntimeError("ZeRO stage 1 needs its gradient reduce-scatter; it cannot be switched off")
+        self._final_grad_bufs()
         return [self._own_slice(u.index) for u in self.units]

@@ -103,6 +103,11 @@ class Stage2(ZeroPartitioner):
         """Beside the master: a later micro-step's chunks, until backward ends."""
         return self.grads.staged
 
+    @property
+    def hooks_each_gradient(self) -> bool:
+        # one replica, written in place: no bucket to fill, each gradient is in its view already
+        return not isinstance(self.grads, GradViews)
+
     def no_sync_allowed(self) -> bool:
         return False
 
@@ -117,12 +122,16 @@ class Stage2(ZeroPartitioner):
                 "ZeRO stage 2 reduces gradients at every micro-step; gradient reduction cannot be switched off"
             )
         if self.grads.in_place:
+            if not self._hooked:  # a backward outside the engine's may have left its own .grad
+                self.grads.buffers.take_all()
             self.grads.hold()
         return contextlib.nullcontext()
 
     def after_backward(self, boundary: bool) -> None:
         self.bucketer.flush()
         self.grads.end_backward()
+        if not self._hooked:
+            self.grads.buffers.take_all()
 
     def _launch(self, unit: int):
         if self.grads.in_place:
@@ -157,6 +166,8 @@ class Stage2(ZeroPartitioner):
         self.buckets.give_back()
 
     def reduced_grad_shards(self):
+        if not self._hooked:  # a backward outside the engine's may have left its own .grad
+            self.grads.buffers.take_all()
         return self.grads.get()
 
     def zero_grad(self) -> None:

@@ -146,6 +146,10 @@ class Stage3(Stage2):
             for su in self.sharded:
                 su.grad_spares = None
 
+    @property
+    def hooks_each_gradient(self) -> bool:
+        return True  # a unit is released as soon as its gradients are in
+
     def _param_shard(self, unit: Unit) -> torch.Tensor:
         return self.sharded[unit.index].local_shard()
 

@@ -100,10 +100,15 @@ class ZeroPartitioner(Partitioner):
             if zc.overlap_param_gather and not no_overlap
             else None
         )
+        self._init_grads()
+        #: a hook per parameter, where a gradient's arrival starts work (its unit's reduction, stage
+        #: 3's release of the unit); none at one replica with gradients written in place, where it
+        #: would only see that each ``.grad`` is still its view: the stage sees to all of them at the
+        #: end of backward, without a call into Python per parameter
+        self._hooked = self.hooks_each_gradient
         self._hooks = [
             p.register_post_accumulate_grad_hook(self._grad_hook) for _, p in named
-        ]
-        self._init_grads()
+        ] if self._hooked else []
 
     # -- construction ----------------------------------------------------------------------------
     def _plan_units(self, named: list[tuple[str, torch.nn.Parameter]]) -> list[Unit]:
@@ -236,6 +241,12 @@ class ZeroPartitioner(Partitioner):
     # -- stage-specific gradient path ------------------------------------------------------------
     def _init_grads(self) -> None:
         raise NotImplementedError
+
+    @property
+    def hooks_each_gradient(self) -> bool:
+        """Whether :meth:`_on_grad_ready` runs for each gradient as backward makes it (after
+        :meth:`_init_grads`); without, the stage takes the gradients in at :meth:`after_backward`."""
+        return True
 
     def _on_grad_ready(self, param: torch.Tensor) -> None:
         raise NotImplementedError
