@@ -28,6 +28,13 @@ FEATURES: dict[str, str] = {
     "nvme_offload": "offload_optimizer nvme (stage 2 unless a stage is given)",
     "step_in_backward": "offload_optimizer nvme with step_in_backward: each sub-group steps during the batch's last "
                         "backward (stage 2 unless a stage is given)",
+    "cpu_step_in_backward": "ZeRO-Offload overlapped: offload_optimizer cpu with step_in_backward: each unit's "
+                            "gradients go to the host as backward delivers them and the host optimizer steps the "
+                            "unit on a thread of its own during the batch's last backward (stage 2 unless a stage "
+                            "is given). Besides its reference, the cell equals bit for bit the same cell with "
+                            "cpu_offload, the step after backward (but for bf16 steps of several micro-batches, "
+                            "which the overlap adds in fp32 and the step after backward on a CPU-only machine in "
+                            "bf16)",
     "param_offload": "offload_param cpu (stage 3)",
     "bf16": "bf16 training",
     "fp16": "fp16 training, dynamic loss scale",
@@ -124,6 +131,8 @@ FOUR_RANK_PAIRS = ({"pipeline", "tensor_parallel"},)
 #: cells with every feature of a set here run on 8 ranks (2 stages x 2 tensor ranks x 2 replicas)
 EIGHT_RANK_PAIRS = ({"pipeline_dp", "tensor_parallel"},)
 STAGES = ("zero1", "zero2", "zero3")
+#: the offload_optimizer features: one section's values (device, step_in_backward)
+OFFLOADS = ("cpu_offload", "nvme_offload", "step_in_backward", "cpu_step_in_backward")
 
 #: pairs refused at initialize: why, and words the error must contain (it names both features)
 REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
@@ -167,6 +176,18 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("step_in_backward", "custom_allocator"): ("as for nvme_offload", ("allocator 'nvme'", "allocator='counting'",
                                                                        "offload")),
     ("step_in_backward", "zeroone_adam"): ("as for nvme_offload", ("zerooneadam", "nvme")),
+    ("zero1", "cpu_step_in_backward"): ("as for step_in_backward: stage 1's gradients do not reach the host "
+                                        "master unit by unit", ("step_in_backward", "stage 2 or 3", "stage 1")),
+    ("cpu_step_in_backward", "fp16"): ("as for step_in_backward", ("step_in_backward", "fp16.enabled")),
+    ("cpu_step_in_backward", "clipping"): ("as for step_in_backward", ("step_in_backward", "gradient_clipping")),
+    ("cpu_step_in_backward", "onebit_adam"): ("each unit steps on its own during backward, which only "
+                                              "zkit-offload's fused CPU optimizers do",
+                                              ("step_in_backward", "fused cpu optimizers", "onebitadam")),
+    ("cpu_step_in_backward", "client_sgd"): ("as above", ("step_in_backward", "fused cpu optimizers", "sgd")),
+    ("cpu_step_in_backward", "custom_allocator"): ("as for cpu_offload", ("allocator 'host'",
+                                                                          "allocator='counting'", "offload")),
+    ("cpu_step_in_backward", "zeroone_adam"): ("as for onebit_adam", ("step_in_backward", "fused cpu optimizers",
+                                                                   "zerooneadam")),
     **{(split, "sequence_parallel"): ("sequence parallelism splits the whole world into sequence groups; a pipeline "
                                       "or tensor-parallel model brings a data-parallel group of its own",
                                       ("sequence_parallel_size", "pipeline or tensor parallelism"))
@@ -187,14 +208,14 @@ REFUSED_AT_CHECKPOINT: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     ("dcp_checkpoint", "pipeline_dp"): ("as pipeline", ("dcp", "pipeline stages")),
 }
 #: two values of one setting, not a combination: the stage pairs and bf16 x fp16 must be refused
-#: by the config; the two offload devices (step_in_backward is NVMe offload with one more key), the
-#: two 1-bit optimizers, the two pipeline layouts, the two checkpoint formats, the two
-#: communicators a Stack chooses and the two activation_checkpointing sections are one key's (or
-#: one model's, or one argument's, or one section's) two values
+#: by the config; the offload features (two devices, each with and without step_in_backward: one
+#: section's values), the two 1-bit optimizers, the two pipeline layouts, the two checkpoint
+#: formats, the two communicators a Stack chooses and the two activation_checkpointing sections
+#: are one key's (or one model's, or one argument's, or one section's) two values
 NOT_A_COMBINATION = {("zero1", "zero2"), ("zero1", "zero3"), ("zero2", "zero3"), ("bf16", "fp16"),
-                     ("cpu_offload", "nvme_offload"), ("onebit_adam", "zeroone_adam"), ("pipeline", "pipeline_dp"),
-                     ("cpu_offload", "step_in_backward"), ("nvme_offload", "step_in_backward"),
-                     ("save_load", "dcp_checkpoint"), ("custom_comm", "onebit_comm"), ("act_ckpt", "act_ckpt_plain")}
+                     *itertools.combinations(OFFLOADS, 2), ("onebit_adam", "zeroone_adam"),
+                     ("pipeline", "pipeline_dp"), ("save_load", "dcp_checkpoint"), ("custom_comm", "onebit_comm"),
+                     ("act_ckpt", "act_ckpt_plain")}
 #: pairs the matrix does not run, and the test that covers them (or why none does)
 ELSEWHERE: dict[tuple[str, str], str] = {
     ("param_offload", "offload_states"): ("initialize accepts it: offload_states() is a call made later, which "
@@ -229,6 +250,25 @@ def reference_of(pair: tuple[str, str]) -> tuple[str, ...]:
     if "client_sgd" in kept:
         return tuple(f for f in kept if f not in ("onebit_adam", "zeroone_adam"))
     return kept
+
+
+def overlap_twin(features: tuple[str, ...], micro_batches: int | None = None,
+                 order: list[str] | None = None) -> tuple[str, ...] | None:
+    """The run a ``cpu_step_in_backward`` run must also equal, bit for bit: the same features with
+    ``cpu_offload``, the step after backward, whose update the overlap promises to make exactly
+    (zkit_offload.host_master). ``None`` for other runs, and for bf16 steps of several
+    micro-batches (``micro_batches``: the config's unless given): the overlap adds their
+    gradients in its fp32 host buffers, where the step after backward on a CPU-only machine adds
+    them in bf16 (with an accelerator, on the host in fp32 too); those keep their reference's
+    tolerance. ``order``: the feature order of the result (the matrix's unless given)."""
+    if "cpu_step_in_backward" not in features:
+        return None
+    if micro_batches is None:
+        micro_batches = config(features, "")["gradient_accumulation_steps"]
+    if "bf16" in features and micro_batches > 1:
+        return None
+    order = list(FEATURES) if order is None else order
+    return tuple(sorted({"cpu_offload" if f == "cpu_step_in_backward" else f for f in features}, key=order.index))
 
 
 def numerics(features: tuple[str, ...], kinds: tuple[str, ...]) -> tuple[str, ...]:
@@ -318,11 +358,11 @@ def config(features: tuple[str, ...], nvme_path: str) -> dict[str, Any]:
     if "param_offload" in features:
         zero["stage"] = zero["stage"] or 3
         zero["offload_param"] = {"device": "cpu"}
-    if {"cpu_offload", "nvme_offload", "step_in_backward"} & set(features):
+    if set(OFFLOADS) & set(features):
         zero["stage"] = zero["stage"] or 2
-        device = "cpu" if "cpu_offload" in features else "nvme"
+        device = "cpu" if {"cpu_offload", "cpu_step_in_backward"} & set(features) else "nvme"
         zero["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" else {})}
-        if "step_in_backward" in features:
+        if {"step_in_backward", "cpu_step_in_backward"} & set(features):
             zero["offload_optimizer"]["step_in_backward"] = True
     if "overlap_gather" in features:
         zero["stage"] = zero["stage"] or 2

@@ -178,6 +178,19 @@ def _overlap_gather(engine: Any, run: dict) -> str | None:
     return None
 
 
+def _stepped_in_backward(engine: Any, run: dict) -> str | None:
+    """ZeRO-Offload overlapped: the master is zkit-offload's host store that steps in backward,
+    and in every engine of the cell units stepped during a batch's last backward
+    (composition_ranks.count_host_steps)."""
+    from zkit_offload.host_master import HostMasterStore
+
+    store = _partitioner(engine).master_store
+    if not isinstance(store, HostMasterStore):
+        return f"the master store is {type(store).__name__}, not zkit-offload's overlapped host store"
+    counts = run.get("host_steps", [])
+    return None if counts and all(c["units"] > 0 for c in counts) else f"units stepped in backward per engine: {counts}"
+
+
 def _offloaded(run: dict) -> str | None:
     """Each offload_states() call moved bytes off the device and emptied their storages."""
     calls = run.get("offloaded", [])
@@ -233,6 +246,7 @@ CHECKS: dict[str, Callable[[Any, torch.nn.Module, dict], str | None]] = {
     "nvme_offload": lambda e, m, r: _host_allocator(e, "master") or _nvme(e),
     "step_in_backward": lambda e, m, r: (None if e.partitioner.master_store.step_in_backward
                                          else "the master store does not step in backward") or _nvme(e),
+    "cpu_step_in_backward": lambda e, m, r: _host_allocator(e, "master") or _stepped_in_backward(e, r),
     "param_offload": lambda e, m, r: _host_allocator(e, "param") or _stage(e, 3),
     "bf16": lambda e, m, r: _dtype(e, torch.bfloat16),
     "fp16": lambda e, m, r: _dtype(e, torch.float16) or (None if e.loss_scaler is not None and e.loss_scale > 1

@@ -81,7 +81,8 @@ def run(sets: list[tuple[str, ...]], root: str) -> dict[tuple[str, ...], dict]:
     import composition_fuzz_ranks
     from zkit.testing import RanksFailed, RanksTimedOut, run_ranks
 
-    cells = list(dict.fromkeys([*sorted({fuzz.reference_of(s) for s in sets}), *sets]))
+    twins = sorted({fuzz.overlap_twin(s) for s in sets if not fuzz.refused_pairs(s)} - {None})
+    cells = list(dict.fromkeys([*sorted({fuzz.reference_of(s) for s in sets}), *sets, *twins]))
     nvme, ckpt, ds = tempfile.mkdtemp(dir=root), tempfile.mkdtemp(dir=root), run_deepspeed(sets, root)
     results: dict = {}
     while cells:
@@ -140,6 +141,11 @@ def verdict(features: tuple[str, ...], results: dict) -> str | None:
         return None if "accumulation" in refusal.lower() else f"save or load failed: {refusal}"
     if got["missing"]:
         return f"a feature left no trace: {got['missing']}"
+    twin = fuzz.overlap_twin(features)
+    if twin is not None:
+        said = differs_from_twin(got["params"], twin, results.get(twin, {}))
+        if said:
+            return said
     reference = results[fuzz.reference_of(features)]
     if "params" not in reference:
         return f"its reference {fuzz.reference_of(features)} did not train: {reference}"
@@ -166,6 +172,19 @@ def verdict(features: tuple[str, ...], results: dict) -> str | None:
         return None  # a few rounding-decided Adam steps (composition_fuzz_model.rounding_decided)
     return (f"{said}; {len(beyond)} elements beyond it (at most {count} may be rounding-decided), the largest "
             f"{largest[1]} by {largest[0]:.3g} (at most {bound:.3g})")
+
+
+def differs_from_twin(params: dict, twin: tuple[str, ...], other: dict) -> str | None:
+    """Why an overlapped offload's parameters are not bit for bit its twin's (the same set with
+    ``cpu_offload``: composition.overlap_twin), or ``None``."""
+    if "params" not in other:
+        return f"the same set with cpu_offload {twin} did not train: {str(other)[:600]}"
+    for name, a in params.items():
+        b = other["params"][name]
+        if not a.equal(b):
+            return (f"differs from the same set with cpu_offload {twin}, the step after backward it must equal bit for "
+                    f"bit: {name} by {(a - b).abs().max().item():.3g}")
+    return None
 
 
 def shrink(failures: dict[tuple[str, ...], str], root: str) -> dict[tuple[str, ...], tuple[tuple[str, ...], str]]:

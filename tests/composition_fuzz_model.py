@@ -26,7 +26,7 @@ EXTRA: dict[str, str] = {
     "save_mid_accum": "2 micro-batches per step; save_checkpoint after the first micro-batch of the last step, then "
                       "a new engine loads it and takes the second micro-batch and the step",
     "reshard": "as save_load, but the new engine runs another ZeRO stage (0->1, 1->2, 2->1, 3->2; 2->3 with "
-               "step_in_backward)",
+               "step_in_backward or cpu_step_in_backward)",
     "ds_import": "the real DeepSpeed (.venv-peers) takes the first 2 steps at ZeRO 2 (3 with zero3 or "
                  "param_offload) and saves; the engine loads DeepSpeed's checkpoint and takes the last step",
 }
@@ -36,6 +36,8 @@ FEATURES: dict[str, str] = {**{f: d for f, d in matrix.FEATURES.items() if f != 
 NUMERICS = (*matrix.NUMERICS, "param_groups", "partial_freeze", "lamb", "scheduler")
 OPTIMIZERS = ("onebit_adam", "zeroone_adam", "lamb")
 CHECKPOINTS = ("save_load", "dcp_checkpoint", "save_mid_accum", "reshard", "ds_import")
+#: the offloads that step in backward (stages 2-3 only: a reshard of theirs goes between those)
+STEPS_IN_BACKWARD = {"step_in_backward", "cpu_step_in_backward"}
 #: the numerics DeepSpeed's side of ds_import reproduces (composition_fuzz_peer.py)
 DEEPSPEED_NUMERICS = ("tied_weights", "scheduler")
 
@@ -44,6 +46,9 @@ REFUSED: dict[tuple[str, str], tuple[str, tuple[str, ...]]] = {
     **matrix.REFUSED,
     **{(offload, "lamb"): ("as for onebit_adam: state swapped from NVMe is stepped sub-group by sub-group",
                            ("lamb", "nvme")) for offload in ("nvme_offload", "step_in_backward")},
+    ("cpu_step_in_backward", "lamb"): ("as for onebit_adam: each unit steps on its own during backward, which only "
+                                       "zkit-offload's fused CPU optimizers do",
+                                       ("step_in_backward", "fused cpu optimizers", "lamb")),
     ("pipeline", "zero_init"): ("Init partitions every layer over all ranks; each stage keeps only its own, so "
                                 "the stages cannot gather them back",
                                 ("zkit.zero.init", "pipeline")),
@@ -153,7 +158,7 @@ def refused_checkpoint_pairs(features: tuple[str, ...]) -> list[tuple[str, ...]]
     stage = _stage(features)
     loads_at = None
     if "reshard" in features and isinstance(stage, int):
-        loads_at = {2: 3, 3: 2}.get(stage) if "step_in_backward" in features else load_stage(features, stage)
+        loads_at = {2: 3, 3: 2}.get(stage) if STEPS_IN_BACKWARD & set(features) else load_stage(features, stage)
     return _refused(features, REFUSED_AT_CHECKPOINT, loads_at)
 
 
@@ -168,6 +173,19 @@ def reference_of(features: tuple[str, ...]) -> tuple[str, ...]:
     if "client_sgd" in kept:
         kept = tuple(f for f in kept if f not in OPTIMIZERS)
     return kept
+
+
+def overlap_twin(features: tuple[str, ...]) -> tuple[str, ...] | None:
+    """The set a ``cpu_step_in_backward`` set must also equal bit for bit (composition.overlap_twin),
+    but for a ``reshard`` whose twin loads at another stage (from 2, the overlap's at 3 and its
+    twin's at 1): 1-bit compression's error feedback follows the stage's reductions."""
+    micro_batches = config(features, "")["gradient_accumulation_steps"]
+    twin = matrix.overlap_twin(features, micro_batches, list(FEATURES))
+    if twin is not None and "reshard" in features:
+        saved = _stage(features)
+        if isinstance(saved, int) and load_stage(features, saved) != load_stage(twin, saved):
+            return None
+    return twin
 
 
 def tolerance(features: tuple[str, ...]) -> float:
@@ -228,7 +246,7 @@ def deepspeed_run(features: tuple[str, ...]) -> tuple[tuple[str, ...], int] | No
 
 def load_stage(features: tuple[str, ...], saved: int) -> int:
     """The stage a ``reshard`` run loads at."""
-    if "step_in_backward" in features:
+    if STEPS_IN_BACKWARD & set(features):
         return {2: 3, 3: 2}[saved]
     return {0: 1, 1: 2, 2: 1, 3: 2}[saved]
 

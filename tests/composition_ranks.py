@@ -121,6 +121,8 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
     engine, *_ = zkit.initialize(model=model, config=cfg, **kwargs)
     if "overlap_gather" in features:
         count_gathers(engine, run)
+    if "cpu_step_in_backward" in features:
+        count_host_steps(engine, run)
     if "comm_bf16" in features:
         record_reduced_dtypes(engine, run)
     if "compile" in features:
@@ -157,6 +159,21 @@ def record_reduced_dtypes(engine, run: dict) -> None:
             return _call(*args, **kwargs)
 
         setattr(comm, kind, spied)  # on the instance: whatever communicator the stack chose
+
+
+def count_host_steps(engine, run: dict) -> None:
+    """Count in ``run`` the units each engine of the cell stepped during a batch's last backward
+    (ZeRO-Offload overlapped: the host store's listener hears ``"step"`` for those only)."""
+    counts = {"units": 0}
+    run.setdefault("host_steps", []).append(counts)
+    store = getattr(getattr(engine, "partitioner", None), "master_store", None)
+    if store is None or not hasattr(store, "listener"):
+        return
+
+    def heard(event: str, unit: int) -> None:
+        counts["units"] += event == "step"
+
+    store.listener = heard
 
 
 def count_gathers(engine, run: dict) -> None:

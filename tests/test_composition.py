@@ -19,8 +19,10 @@ CELLS = [p for p in matrix.pairs() if p not in matrix.NOT_A_COMBINATION and p no
 def _matrix(root: Path) -> list[Command]:
     """Every cell's result: the references with the cells, each world size in a process group of its own."""
     references = sorted({matrix.reference_of(p) for p in CELLS if matrix.expected(p) == "matches"})
+    # an overlapped offload's twin: the pair's cpu_offload cell, a cell of the matrix already
+    twins = sorted({matrix.overlap_twin(p) for p in CELLS if matrix.expected(p) == "matches"} - {None})
     one_setting = [p for p in matrix.NOT_A_COMBINATION if p in matrix.REFUSED]
-    cells = [*references, *CELLS, *one_setting]
+    cells = list(dict.fromkeys([*references, *CELLS, *twins, *one_setting]))
     (root / "nvme").mkdir()
     (root / "ckpt").mkdir()
     return [call(root, "composition_ranks:run_matrix", cells, str(root / "nvme"), str(root / "ckpt"))]
@@ -60,6 +62,11 @@ def test_pair(results, pair):
         b = reference["params"][name]
         scale = b.abs().max().clamp_min(matrix.scale_floor(pair))
         assert ((a - b).abs().max() / scale).item() <= tol, (pair, name, (a - b).abs().max().item(), scale.item())
+    twin = matrix.overlap_twin(pair)  # the overlapped offload makes the step after backward's update exactly
+    if twin is not None:
+        assert "params" in results[twin], (twin, results[twin])
+        for name, a in got["params"].items():
+            assert a.equal(results[twin]["params"][name]), (pair, twin, name)
 
 
 @pytest.mark.parametrize("pair", sorted(p for p in matrix.NOT_A_COMBINATION if p in matrix.REFUSED),

@@ -52,8 +52,17 @@ NAMED = [
     ("zero2", "tensor_parallel", "comm_bf16"),  # one replica: the reference drops bf16 reductions, stage 2 rounds
     ("zero2", "grad_accum", "comm_bf16"),  # bf16 reductions crashed stages 2-3 at the first step (bf16 .grad)
 ]
+#: sets kept whatever the draw so that ZeRO-Offload overlapped is held to its twin, the same set with
+#: cpu_offload, bit for bit (composition_fuzz.differs_from_twin), and where its bf16 micro-batches
+#: are added in fp32 (composition.overlap_twin) to its reference's tolerance
+OVERLAP = [
+    ("zero3", "cpu_step_in_backward", "grad_accum", "param_groups"),
+    ("cpu_step_in_backward", "pipeline", "save_load"),
+    ("zero3", "cpu_step_in_backward", "bf16", "grad_accum"),
+]
 DRAWN_SEED, DRAWN = 0, 12
-SETS = list(dict.fromkeys([*(fuzz.canonical(s) for s in NAMED), *composition_fuzz.draw(DRAWN, DRAWN_SEED)]))
+SETS = list(dict.fromkeys([*(fuzz.canonical(s) for s in [*NAMED, *OVERLAP]),
+                           *composition_fuzz.draw(DRAWN, DRAWN_SEED)]))
 RUN = [s for s in SETS if not ("ds_import" in s and composition_fuzz.deepspeed_missing())]
 
 
@@ -72,7 +81,7 @@ def results(background, request) -> dict:
 
 
 def test_named_sets_are_drawable():
-    for s in NAMED:
+    for s in [*NAMED, *OVERLAP]:
         assert fuzz.drawable(fuzz.canonical(s)), s
 
 
@@ -117,6 +126,51 @@ def test_verdict_names_what_went_wrong():
     assert "checkpoint refused without naming" in composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": "E: no"}})
     said = "CheckpointError: a DCP checkpoint ... not the LR scheduler's state (load_lr_scheduler_states=False ...)"
     assert composition_fuzz.verdict(dcp, {dcp: {"refused_checkpoint": said}}) is None
+
+
+def test_an_overlapped_offload_must_equal_its_twin_bit_for_bit():
+    """ZeRO-Offload overlapped (cpu_step_in_backward) makes the step after backward's update
+    exactly: a set of it that is within its reference's tolerance but one ulp from the same set with
+    cpu_offload fails, naming that set; bf16 micro-batches added in fp32, and a reshard that loads
+    the twin at another stage, have no twin to equal."""
+    overlapped, twin, ref = ("zero2", "cpu_step_in_backward", "grad_accum"), ("zero2", "cpu_offload", "grad_accum"), ()
+    assert fuzz.overlap_twin(overlapped) == twin
+    assert fuzz.overlap_twin(("zero3", "cpu_step_in_backward", "bf16", "grad_accum")) is None
+    assert fuzz.overlap_twin(("cpu_step_in_backward", "bf16")) == ("cpu_offload", "bf16")
+    assert fuzz.overlap_twin(("cpu_offload", "grad_accum")) is None
+    # from stage 2 the overlap reshards to 3 and its twin to 1; from 3 both to 2
+    assert fuzz.overlap_twin(("cpu_step_in_backward", "onebit_comm", "reshard")) is None
+    assert fuzz.overlap_twin(("zero3", "cpu_step_in_backward", "reshard")) == ("zero3", "cpu_offload", "reshard")
+
+    def judged(mine: float, theirs: dict) -> str | None:
+        return composition_fuzz.verdict(overlapped, {overlapped: {"params": _params(mine), "missing": []},
+                                                     ref: {"params": _params(1.0), "missing": []}, twin: theirs})
+
+    assert judged(1.0, {"params": _params(1.0), "missing": []}) is None
+    assert judged(1.0000001, {"params": _params(1.0), "missing": []}) == (
+        "differs from the same set with cpu_offload ('zero2', 'cpu_offload', 'grad_accum'), the step after backward "
+        "it must equal bit for bit: layers.0.weight by 1.19e-07")
+    assert judged(1.0, {"refused": "ValueError: no"}).startswith(
+        "the same set with cpu_offload ('zero2', 'cpu_offload', 'grad_accum') did not train: {'refused'")
+
+
+def test_evidence_of_the_overlapped_offload():
+    """cpu_step_in_backward's trace: zkit-offload's overlapped host store, and units stepped during
+    backward in every engine of the run."""
+    from types import SimpleNamespace
+
+    from composition_evidence import _stepped_in_backward
+    from zkit_offload.host_master import HostMasterStore
+
+    def engine(store):
+        return SimpleNamespace(partitioner=SimpleNamespace(master_store=store))
+
+    assert _stepped_in_backward(engine(SimpleNamespace()), {"host_steps": [{"units": 3}]}) == (
+        "the master store is SimpleNamespace, not zkit-offload's overlapped host store")
+    overlapped = engine(HostMasterStore.__new__(HostMasterStore))  # a type to check: no buffers needed
+    assert _stepped_in_backward(overlapped, {"host_steps": [{"units": 3}, {"units": 1}]}) is None
+    assert _stepped_in_backward(overlapped, {"host_steps": [{"units": 3}, {"units": 0}]}) == (
+        "units stepped in backward per engine: [{'units': 3}, {'units': 0}]")
 
 
 def test_a_few_rounding_decided_elements_pass_in_fp16_sets_that_reorder_sums():
