@@ -5,6 +5,7 @@ adds ops or a sync to the step fails a test naming the contestant."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import pytest
@@ -107,6 +108,14 @@ def test_bench_host_smoke_run_prints_its_table(tmp_path):
     table = (tmp_path / "bench_host.md").read_text()
     assert "| zkit stage 2 |" in table and "bf16, world size 1" in table
     assert os.path.exists(tmp_path / "bench_host.json")
+
+
+def test_bench_host_phases_smoke_run_prints_its_table():
+    out = subprocess.run([sys.executable, os.path.join(BENCH, "bench_host_phases.py"), "--smoke", "--contestants",
+                          "torch,zkit-2"], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "| plain PyTorch |" in out.stdout and "| zkit-2 |" in out.stdout and "| 1.00 |" in out.stdout
 
 
 @pytest.mark.parametrize("stage", [0, 1])
