@@ -14,7 +14,9 @@ optimizer. So a step's host cost is counted, deterministically, without a GPU::
 What counts as what:
 
 * ``ops``: every op the step dispatched on the calling thread (aten, c10d and any other
-  namespace); ops run by other threads (a copy thread, a kernel's worker pool) are not seen.
+  namespace); ops run by other threads (a copy thread, a kernel's worker pool) are not seen. A
+  tensor autograd saves or unpacks is copied as a TensorImpl (no op), a copy that reaches an
+  active mode as a ``detach``: not counted, so the counts are torch profiler's, which sees none.
 * ``syncs``: :data:`SYNC_OPS` on a tensor that would live on the accelerator in a GPU run;
   ``host_reads``: the same ops on a tensor that would live in host memory there (an offloaded
   optimizer's state and fp32 master), which wait for nothing but still dispatch. A tensor is
@@ -38,6 +40,10 @@ SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::is_nonzero", "aten::no
 COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "_dtensor"})
 
 T = TypeVar("T")
+_DETACH = torch.ops.aten.detach.default
+#: excluded while an op runs through the dispatcher on its way to a mode, not when a mode is called
+#: straight from a tensor's shallow copy
+_DISPATCHED = torch._C.DispatchKey.PythonTLSSnapshot
 
 
 @attrs.frozen
@@ -66,6 +72,11 @@ class OpCounter(TorchDispatchMode):
         self.host_reads = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DETACH and not torch._C._dispatch_tls_is_dispatch_key_excluded(_DISPATCHED):
+            # Not dispatched: autograd saving or unpacking a tensor copies its TensorImpl, and only
+            # while a mode is active does that copy reach the mode, as a detach; without one it is
+            # no op (torch's profiler sees none).
+            return func(*args, **(kwargs or {}))
         name = func._schema.name
         self.by_op[name] += 1
         if name in SYNC_OPS:
