@@ -166,9 +166,8 @@ class GradViews:
     def take(self, param: torch.Tensor) -> None:
         self.buffers.take(param)
 
-    def unit_grads(self, unit: int) -> list[torch.Tensor]:
-        """``unit``'s gradient, complete for this micro-step: its buffer."""
-        return [self.buffers.bufs[unit]]
+    def unit_complete(self, unit: int) -> None:
+        """``unit``'s gradients are complete for this micro-step: in its buffer already."""
 
     def reduce_target(self, unit: int, chunk: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("gradients written in place are not reduced through a bucket")
@@ -192,8 +191,8 @@ class ParamGrads:
     shards: list[torch.Tensor] = []  # the store holds the gradients
     staged: list[torch.Tensor] = []
 
-    def __init__(self, unit_params: Sequence[Sequence[torch.Tensor]]) -> None:
-        self.unit_params = unit_params
+    def __init__(self, unit_params: Sequence[Sequence[torch.Tensor]], store: MasterStore) -> None:
+        self.unit_params, self.store = unit_params, store
 
     def get(self, overwritten: bool = False) -> list[torch.Tensor]:
         raise RuntimeError("the gradients are the parameters' own, taken by the master store; there are no shards")
@@ -204,9 +203,10 @@ class ParamGrads:
     def take(self, param: torch.Tensor) -> None:
         """The gradient stays where autograd put it."""
 
-    def unit_grads(self, unit: int) -> list[torch.Tensor | None]:
-        """``unit``'s parameters' gradients in slot order (``None`` for one without a gradient)."""
-        return [p.grad for p in self.unit_params[unit]]
+    def unit_complete(self, unit: int) -> None:
+        """``unit``'s gradients are complete for this micro-step: its parameters' gradients, in slot
+        order (``None`` for one without), go to the store."""
+        self.store.add_grad_in_place(unit, [p.grad for p in self.unit_params[unit]])
 
     def reduce_target(self, unit: int, chunk: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("gradients taken where autograd left them are not reduced through a bucket")

@@ -43,10 +43,10 @@ class Stage2(ZeroPartitioner):
         #: where the reduced chunks land (:mod:`zkit.zero.grad_sinks`): the shards in memory, a
         #: master store that takes the gradients itself (NVMe), or at one replica the parameters'
         #: gradients themselves
-        if self.master_store.takes_grads and self._store_grads_in_place():
-            self.grads: GradShards | StoreGrads | GradViews | ParamGrads = ParamGrads(self.unit_params)
-        elif self.master_store.takes_grads:
-            self.grads = StoreGrads(self.master_store)
+        store = self.master_store
+        if store.takes_grads:
+            self.grads: GradShards | StoreGrads | GradViews | ParamGrads = (
+                ParamGrads(self.unit_params, store) if self._store_grads_in_place() else StoreGrads(store))
         elif self._grads_in_place():
             self.grads = GradViews(GradBuffers(self.units, self.unit_params, self.allocator, self.dtype))
         else:
@@ -156,8 +156,7 @@ class Stage2(ZeroPartitioner):
 
     def _finish(self, unit: int) -> None:
         if self.grads.in_place:
-            if self.master_store.takes_grads:  # the unit's gradients themselves, complete for this micro-step
-                self.master_store.add_grad_in_place(unit, self.grads.unit_grads(unit))
+            self.grads.unit_complete(unit)
             return
         target = self._launched.pop(unit)
         if self.post_scale != 1.0:

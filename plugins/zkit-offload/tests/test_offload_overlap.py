@@ -72,8 +72,8 @@ def test_under_fake_streams_each_unit_steps_after_its_gradient_landed_and_return
 
 
 @pytest.mark.parametrize("change, words", [
-    ({"gradient_clipping": 1.0}, ("step_in_backward", "gradient_clipping 1.0")),
-    ({"fp16": {"enabled": True}}, ("step_in_backward", "fp16.enabled")),
+    ({"gradient_clipping": 1.0}, ("step_in_backward", "gradient_clipping 1.0", "steps each unit before")),
+    ({"fp16": {"enabled": True}}, ("step_in_backward", "fp16.enabled", "steps each unit before")),
     ({"zero_optimization.stage": 1}, ("step_in_backward", "stage 2 or 3", "stage 1")),
     ({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}}, ("step_in_backward", "fused CPU optimizers", "SGD")),
 ])

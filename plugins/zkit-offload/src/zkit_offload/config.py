@@ -139,11 +139,12 @@ def check_step_in_backward(optimizer: OffloadOptimizerConfig, stage: int | None,
     if stage is not None and stage < 2:
         raise ValueError(f"{key} needs ZeRO stage 2 or 3 (the stages whose gradients reach the offloaded master "
                          f"unit by unit); this config has zero_optimization.stage {stage}")
+    steps = "steps each unit" if optimizer.device == "cpu" else "steps sub-groups"
     if gradient_clipping > 0:
         raise ValueError(f"{key} cannot run with gradient_clipping {gradient_clipping}: clipping scales every "
                          "gradient by the global norm, which is known only after the last gradient, and "
-                         "step_in_backward steps sub-groups before that. Drop one of the two")
+                         f"step_in_backward {steps} before that. Drop one of the two")
     if fp16:
         raise ValueError(f"{key} cannot run with fp16.enabled: the loss scaler skips a step whose gradients "
-                         "overflowed, which is known only after the last gradient, and step_in_backward steps "
-                         "sub-groups before that. Use bf16, or drop step_in_backward")
+                         f"overflowed, which is known only after the last gradient, and step_in_backward {steps} "
+                         "before that. Use bf16, or drop step_in_backward")
