@@ -25,7 +25,7 @@ from zkit.zero import offload_states as offloading
 from zkit.zero.config import zero_config
 from zkit.zero.flat import Unit, plan_units
 from zkit.zero.init import GatheredParameters
-from zkit.zero.memory_store import InMemoryMasterStore, fuses
+from zkit.zero.memory_store import InMemoryMasterStore, fuses, takes_found_inf
 from zkit.zero.param_refresh import ParamRefresh, without_effect
 
 log = logging.getLogger("zkit")
@@ -326,7 +326,14 @@ class ZeroPartitioner(Partitioner):
         name = type(self.optimizer).__name__
         if fuses(self.optimizer):
             return f"{name}: {self.optimizer.last_kernel}"
-        return f"{name}.step (gradients scaled, then the step, then the master copied into the parameters)"
+        clips = self.ctx.config.gradient_clipping > 0
+        if takes_found_inf(self.optimizer) and self.allocator.optimizer_stepper() is None:
+            how = "torch's fused kernel, skipping on the device's non-finite verdict" + (
+                ", the gradients scaled by the clip factor in it" if clips else "")
+        else:
+            how = "the gradients scaled by the clip factor, then the step" if clips else "the step"
+        copied = "" if self.master_is_param or self.copy_out else ", then the master copied into the parameters"
+        return f"{name}.step ({how}{copied})"
 
     def publish_target(self, unit: int) -> torch.Tensor | None:
         """The buffer :meth:`publish_unit` writes a unit's updated master into (this rank's shard of

@@ -42,6 +42,7 @@ def test_offloaded_step_is_one_fused_pass_with_the_separate_passes_result(stage,
     # the same engine without offload: scaled gradients, torch's AdamW, then the master copied out
     ref_params, ref_masters, ref_kernel, ref_copy_out = _run(stage, dtype, "adamw", clip=0.5, offload=False)
     assert not ref_copy_out and ref_kernel.startswith("AdamW.step")
+    assert ref_kernel.endswith(", then the master copied into the parameters)"), ref_kernel
     for a, b in zip(masters, ref_masters):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     for a, b in zip(params, ref_params):  # the 16-bit weights: the same rounding of those masters
