@@ -404,3 +404,66 @@ def test_parameters_on_the_host_are_gathered_per_block_by_default_with_the_same_
         assert module[0]["forward"] >= len(module[0]["units"])
     for a, b, c in zip(host, device, module):
         assert _max_diff(a["params"], b["params"]) == 0 and _max_diff(a["params"], c["params"]) == 0
+
+
+def _torch_function_calls(persistence: int) -> dict:
+    """Rank function: calls into ``ZeroParameter.__torch_function__`` during a steady-state step
+    of a small GPT at stage 3 with ``stage3_param_persistence_threshold`` ``persistence``; the
+    classes of a persistent unit's parameters gathered and once released, and the error of a use
+    while released."""
+    import torch
+
+    import zkit
+    from zkit.models.gpt import GPT, GPTConfig
+    from zkit.zero.sharded_params import ResidentZeroParameter, ZeroParameter
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=2, n_head=2, d_model=16))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": persistence}}
+    engine, *_ = zkit.initialize(model=model, config=cfg)
+    ids = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    engine.backward(engine(ids, ids))
+    engine.step()
+    calls = []
+    original = ZeroParameter.__dict__["__torch_function__"].__func__
+
+    def counted(cls, func, types, args=(), kwargs=None):
+        calls.append(func)
+        return original(cls, func, types, args, kwargs)
+
+    ZeroParameter.__torch_function__ = classmethod(counted)
+    try:
+        engine.backward(engine(ids, ids))
+        engine.step()
+    finally:
+        ZeroParameter.__torch_function__ = classmethod(original)
+    weight = model.blocks[0].mlp.fc.weight
+    out = {"calls": len(calls), "gathered": type(weight).__name__}
+    su = weight._zkit_unit
+    if su.persistent:
+        su.release(force=True)
+        out["released"] = type(weight).__name__
+        try:
+            weight.sum()
+        except RuntimeError as e:
+            out["error"] = str(e)
+        su.wait()
+        out["again"] = type(weight).__name__
+    out["kinds"] = isinstance(weight, ZeroParameter), isinstance(weight, ResidentZeroParameter)
+    engine.close()
+    return out
+
+
+def test_persistent_units_use_torch_s_own_dispatch_and_released_units_are_intercepted():
+    """A persistent unit is never released between uses: its parameters dispatch as an
+    nn.Parameter's (no call into Python per op and per ``.grad`` access); once released (here by
+    hand) they are gathered on use or refused again. Units released between uses still are."""
+    (kept,) = run_ranks(_torch_function_calls, 1, args=(10**6,), timeout=120)
+    assert kept["calls"] == 0
+    assert (kept["gathered"], kept["released"], kept["again"]) == (
+        "ResidentZeroParameter", "ZeroParameter", "ResidentZeroParameter")
+    assert "parameter 'blocks.0.mlp.fc.weight' (shape (64, 16)) is partitioned by ZeRO stage 3" in kept["error"]
+    assert kept["kinds"] == (True, True)
+    (released,) = run_ranks(_torch_function_calls, 1, args=(0,), timeout=120)
+    assert released["calls"] > 0 and released["gathered"] == "ZeroParameter" and released["kinds"] == (True, False)

@@ -182,6 +182,18 @@ class ZeroParameter(torch.nn.Parameter):
             return func(*args, **kwargs)
 
 
+class ResidentZeroParameter(ZeroParameter):
+    """A :class:`ZeroParameter` of a persistent unit while it is gathered (the class its
+    parameters take then, :class:`ZeroParameter` again once released). Such a unit is never
+    released between uses, so nothing is left to intercept: no gather on use, and no
+    ``_ZeroLinear`` (it saves the weight parameter instead of a view so that a released unit's
+    buffer can be freed before backward; a persistent unit's buffer stays). Torch's own dispatch
+    then, as for an ``nn.Parameter``, not a call into Python per op (the default stage 3 of a small
+    model keeps every unit so: ``contrib/bench/bench_host_phases.py``)."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+
 #: the tensor methods ``Module.to`` / ``.float()`` / ``.half()`` / ``.bfloat16()`` / ``.cpu()`` apply to
 #: each parameter, with the (device, dtype) each asks for
 _CONVERSIONS: dict[Any, Callable[..., tuple[Any, Any]]] = {
@@ -263,6 +275,10 @@ class _ZeroLinear(torch.autograd.Function):
                     grad_weight = flat_out.t() @ flat_in
             grad_bias = flat_out.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return grad_input, grad_weight, grad_bias
+
+
+def _param_class(persistent: bool, released: bool) -> type[ZeroParameter]:
+    return ResidentZeroParameter if persistent and not released else ZeroParameter
 
 
 def unpack_saved(t: Any) -> Any:
@@ -354,7 +370,7 @@ class ShardedUnit:
         self.module_name = module_name
         self._full: torch.Tensor | None = None
         self.handle: Any = None
-        self.persistent = False
+        self._persistent = False
         #: the partitioner's count of gathered elements, kept by this unit when it is released
         #: between uses (not persistent); None: not counted
         self.gathered_count: GatheredElements | None = None
@@ -386,6 +402,18 @@ class ShardedUnit:
             p._zkit_unit = self
             p._zkit_released = False
             p._zkit_id = next(_next_param_id)
+
+    @property
+    def persistent(self) -> bool:
+        """Kept gathered between uses (``stage3_param_persistence_threshold``); while it is
+        gathered, its parameters are :class:`ResidentZeroParameter`."""
+        return self._persistent
+
+    @persistent.setter
+    def persistent(self, value: bool) -> None:
+        self._persistent = value
+        for p in self.params:
+            p.__class__ = _param_class(value, p._zkit_released)
 
     @property
     def full(self) -> torch.Tensor | None:
@@ -532,9 +560,11 @@ class ShardedUnit:
             views = self._shard_views[1]
         else:
             views = self._views(self.full)
+        cls = _param_class(self._persistent, released=False)
         for view, p in zip(views, self.params):
             p.data = view
             p._zkit_released = False
+            p.__class__ = cls
 
     def _views(self, full: torch.Tensor) -> list[torch.Tensor]:
         return [full[slot.offset : slot.offset + slot.numel].view(slot.shape) for slot in self.unit.slots]
@@ -552,6 +582,7 @@ class ShardedUnit:
             for placeholder, p in zip(self._placeholders[1], self.params):
                 p.data = placeholder
                 p._zkit_released = True
+                p.__class__ = ZeroParameter
             full, self.full = self.full, None
             if self.full_is_shard:
                 self.full_is_shard = False
