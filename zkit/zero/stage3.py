@@ -148,7 +148,9 @@ class Stage3(Stage2):
 
     @property
     def hooks_each_gradient(self) -> bool:
-        return True  # a unit is released as soon as its gradients are in
+        # A unit released between uses is released as soon as its gradients are in; with every unit
+        # kept gathered (persistent) there is nothing to release, and stage 2's reasons remain.
+        return super().hooks_each_gradient or not all(su.persistent for su in self.sharded)
 
     def _param_shard(self, unit: Unit) -> torch.Tensor:
         return self.sharded[unit.index].local_shard()
