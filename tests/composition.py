@@ -47,7 +47,8 @@ FEATURES: dict[str, str] = {
                       "shows that no region needed the eager bookkeeping path and that blocks were recomputed "
                       "in backward (with compile: that the compiled graphs hold the checkpointed regions; where a "
                       "region holds what Dynamo cannot trace, block_sparse's CPU kernel, torch runs the whole "
-                      "region eagerly at a graph break, and its recomputation in backward is the trace). A seeded "
+                      "region eagerly at a graph break, and its recomputation in backward is the trace; stage 3 compiles each "
+                      "block's forward inside the checkpoint, and its recomputations must run compiled). A seeded "
                       "tensor-parallel RNG tracker "
                       "(zkit_pipeline.model_parallel_seed) would send the regions down the eager path; "
                       "tensor_parallel here does not seed it",

@@ -7,6 +7,7 @@ really split, recomputed blocks, ...) and returns what is missing, or ``None``.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -36,14 +37,25 @@ class RecomputeCounter:
 class RegionCountingBackend(CountingBackend):
     """zkit.testing.CountingBackend that also counts the checkpointed regions Dynamo traced into
     the graphs it was handed (torch's checkpoint operator): a region that ran eagerly, at a graph
-    break, is not among them."""
+    break, is not among them; and the calls of its compiled graphs made while a backward pass runs
+    (``recomputed``): a compiled forward run as an eager checkpoint's recomputation. A graph's own
+    compiled backward is not such a call."""
 
     regions = 0
+    recomputed = 0
 
     def __call__(self, gm: Any, example_inputs: Any) -> Any:
         tag = torch.ops.higher_order.tag_activation_checkpoint
         self.regions += sum(n.op == "call_function" and n.target is tag for n in gm.graph.nodes)
-        return super().__call__(gm, example_inputs)
+        compiled = super().__call__(gm, example_inputs)
+
+        @functools.wraps(compiled)  # keeps the calling convention the backend marked on it
+        def counted(*args: Any) -> Any:
+            if torch._C._current_graph_task_id() != -1:
+                self.recomputed += 1
+            return compiled(*args)
+
+        return counted
 
 
 def _partitioner(engine: Any) -> Any:
@@ -206,16 +218,23 @@ def _plain_checkpoint(run: dict) -> str | None:
     """No checkpointed region needed the eager bookkeeping path (the settings in force, and no
     seeded RNG tracker to replay), and blocks were recomputed: under compile, as regions inside
     the compiled graphs (a region Dynamo cannot trace runs eagerly as a whole, at a graph break:
-    then, and without compile, as forwards run in backward)."""
+    then, and without compile, as forwards run in backward). Stage 3 compiles each block's forward
+    alone (regional compilation, Stage3.compile_regions), which the model's checkpoint, eager
+    around it, calls: there the recomputations must run the compiled block forwards."""
     from zkit.activations import recompute
     from zkit.activations.tracing import eager_reasons
 
     reasons = eager_reasons(recompute.settings(), None, True)
     if reasons:
         return f"the regions ran on the eager path because of {reasons}"
-    if sum(getattr(b, "regions", 0) for b in run.get("backends", [])) > 0:
+    backends = run.get("backends", [])
+    if sum(b.regions for b in backends) > 0:
         return None
-    if run.get("backends") and not run.get("probed_only") and not run.get("untraceable_blocks"):
+    if backends and run.get("regional") and not run.get("probed_only"):
+        if sum(b.recomputed for b in backends) > 0:
+            return None
+        return "no compiled block forward ran as a checkpoint's recomputation in backward"
+    if backends and not run.get("probed_only") and not run.get("untraceable_blocks"):
         return "no checkpointed region was traced into a compiled graph"
     return None if run["recompute"].recomputes > 0 else "no block was recomputed in backward"
 

@@ -140,6 +140,8 @@ def _engine(features: tuple[str, ...], cfg: dict, run: dict | None = None, model
         # both engines of a checkpoint cell: the loading one takes one step, which the engine's FLOP
         # probe runs eagerly (zkit.core.compile)
         run.setdefault("backends", []).append(backend)
+        # stage 3 compiles block by block (Stage3.compile_regions), inside the model's checkpoints
+        run["regional"] = getattr(getattr(engine, "partitioner", None), "stage", None) == 3
     return engine, model
 
 

@@ -259,24 +259,36 @@ class SharedDropoutNet(nn.Module):
 def _scheduled_dropout_run(stage: int, checkpoint, compiled: bool) -> tuple[list[float], list[torch.Tensor], int]:
     torch._dynamo.reset()
     model = SharedDropoutNet(checkpoint)
+    backend = CountingBackend()
+
+    def schedule(step: int) -> None:
+        model.p = 0.1 + 0.05 * step
+
+    losses, params = _engine_steps(model, stage, backend if compiled else None, (2, D), schedule)
+    return losses, params, backend.graphs
+
+
+def _engine_steps(model: nn.Module, stage: int, backend, shape: tuple, before_step=None):
+    """Losses and final parameters of ``STEPS`` engine steps at ZeRO ``stage``, compiled with
+    ``backend`` unless it is ``None``; ``before_step(step)`` runs before each."""
     engine, *_ = zkit.initialize(model=model, config={
         "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "zero_optimization": {"stage": stage}})
-    backend = CountingBackend()
-    if compiled:
+    if backend is not None:
         engine.compile(backend=backend)
-    x = torch.randn(STEPS, 2, D, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(STEPS, *shape, generator=torch.Generator().manual_seed(2))
     torch.manual_seed(3)
     losses = []
     for step in range(STEPS):
-        model.p = 0.1 + 0.05 * step
+        if before_step is not None:
+            before_step(step)
         loss = engine(x[step])
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
     params = [p.detach().clone() for p in engine.module.parameters()]
     engine.close()
-    return losses, params, backend.graphs
+    return losses, params
 
 
 @pytest.mark.parametrize("stage", [0, 1])
@@ -290,3 +302,26 @@ def test_engine_compile_traces_a_checkpointed_block_reading_a_scheduled_float_as
     torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
     torch.testing.assert_close(params, eager_params, rtol=1e-5, atol=1e-6)
     assert graphs >= 1
+
+
+def _stage3_run(compiled: bool):
+    """Losses and parameters of ``STEPS`` steps at stage 3 of ``Net``, whose blocks the model
+    checkpoints with torch's checkpoint, and the backend (engine.compile compiles block by block)."""
+    from composition_evidence import RegionCountingBackend
+
+    torch._dynamo.reset()
+    backend = RegionCountingBackend()
+    losses, params = _engine_steps(Net(_torch_checkpoint), 3, backend if compiled else None, (2, 8, D))
+    return losses, params, backend
+
+
+def test_stage3_recomputes_a_checkpointed_block_with_its_compiled_forward_as_eager():
+    """Stage 3 compiles each block's forward, which the model's checkpoint calls again in backward.
+    The FLOP probe's first backward ran that recomputation under its dispatch mode, where Dynamo
+    refused the block's forward for good: every later forward and recomputation ran uncompiled."""
+    eager_losses, eager_params, _ = _stage3_run(compiled=False)
+    losses, params, backend = _stage3_run(compiled=True)
+    torch.testing.assert_close(losses, eager_losses, rtol=1e-6, atol=0)
+    torch.testing.assert_close(params, eager_params, rtol=1e-5, atol=1e-6)
+    assert backend.regions == 0  # the checkpoints are the model's, eager around the compiled blocks
+    assert backend.recomputed > 0, "no recomputation ran a compiled block forward"

@@ -51,6 +51,9 @@ NAMED = [
     ("act_ckpt_plain", "compile", "tensor_parallel"),  # the regions and their collectives in the compiled graph
     ("zero2", "tensor_parallel", "comm_bf16"),  # one replica: the reference drops bf16 reductions, stage 2 rounds
     ("zero2", "grad_accum", "comm_bf16"),  # bf16 reductions crashed stages 2-3 at the first step (bf16 .grad)
+    # stage 3 compiles each block inside the model's checkpoint: the FLOP probe's backward left the blocks
+    # uncompiled for good; compiled, their recomputed backward wrote two gradients into one spare buffer
+    ("zero3", "act_ckpt_plain", "compile"),
 ]
 #: sets kept whatever the draw so that ZeRO-Offload overlapped is held to its twin, the same set with
 #: cpu_offload, bit for bit (composition_fuzz.differs_from_twin), and where its bf16 micro-batches

@@ -46,6 +46,13 @@ def test_evidence_names_the_eager_path_and_the_missing_recomputes():
     traced = RegionCountingBackend()
     traced.regions = 2  # a compiled backward recomputes them: no forward hook runs in backward
     assert _missing({"recompute": SimpleNamespace(recomputes=0), "backends": [traced]}) == []
+    # stage 3 compiles each block, inside the model's checkpoint: its recomputations run compiled
+    regional = {"backends": [eager_regions], "regional": True, "recompute": SimpleNamespace(recomputes=4)}
+    assert _missing(regional) == [
+        "act_ckpt_plain: no compiled block forward ran as a checkpoint's recomputation in backward"]
+    recomputed = RegionCountingBackend()
+    recomputed.recomputed = 4
+    assert _missing({**regional, "backends": [recomputed]}) == []
     # block_sparse's kernel or tensor_parallel's collectives: Dynamo runs the whole region eagerly
     untraceable = {"backends": [eager_regions], "untraceable_blocks": True}
     assert _missing({**untraceable, "recompute": SimpleNamespace(recomputes=4)}) == []

@@ -66,7 +66,10 @@ class StepProbe:
             yield
             return
         counter = FlopCounterMode(display=False)
-        with counter:
+        # a checkpoint eager around a compiled region (stage 3 compiles block by block) calls the
+        # region's compiled forward again in backward: under the dispatch mode Dynamo would refuse
+        # that forward for good, and it would run uncompiled for the rest of the run
+        with counter, eager(self.module):
             yield
         self.flops = self._forward_flops + counter.get_total_flops()
         self.activation_bytes = self._forward_activation_bytes

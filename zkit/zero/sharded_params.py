@@ -267,7 +267,10 @@ class _ZeroLinear(torch.autograd.Function):
             grad_weight = None
             if ctx.needs_input_grad[1]:
                 spares = weight._zkit_unit.grad_spares
-                if spares is not None and flat_out.dtype == flat_in.dtype == weight.dtype:
+                # not in a compiled backward: Dynamo traces the buffer the pool held at trace time
+                # into the graph and guards on the pool's free list (wrong gradients under recompute)
+                if (spares is not None and flat_out.dtype == flat_in.dtype == weight.dtype
+                        and not torch.compiler.is_compiling()):
                     # into the host buffer of an earlier gradient (stage 3 gives it back once reduced)
                     out = spares.take(weight.numel(), weight.dtype, weight.device).view(weight.shape)
                     grad_weight = torch.mm(flat_out.t(), flat_in, out=out)
